@@ -1,0 +1,159 @@
+# syntax=docker/dockerfile:1.7
+#
+# MSN images, one multi-stage file. Build a target with:
+#
+#   docker build --target serve     -t msn:0.1.0-serve     .   # slim: onnxruntime + faiss-cpu, no torch
+#   docker build --target serve-gpu -t msn:0.1.0-serve-gpu .   # CUDA 13 + cuDNN 9 runtime, onnxruntime-gpu
+#   docker build --target train     -t msn:0.1.0-train     .   # CUDA torch 2.13.0, train + viz extras
+#
+# Versions are pinned here (base image tags, onnxruntime-gpu) and in constraints.txt (torch). The CUDA major of the
+# serve-gpu base must match the onnxruntime-gpu wheel: onnxruntime-gpu 1.31.x on PyPI is built for CUDA 13 + cuDNN 9
+# (its `cuda` extra requires nvidia-cuda-runtime~=13.0). torch 2.13.0 on PyPI brings its own CUDA 13 libraries as
+# nvidia-* wheels, so the train target needs no CUDA base image, only an NVIDIA driver >= 580 on the host.
+# This file is linted by hadolint in tests/deploy/test_dockerfile.py; no image was built on the development machines
+# (no Docker engine there): see docs/deploy.md.
+
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+
+# --------------------------------------------------------------------------------------------------------------------
+# Source: only what `pip install .` needs (.dockerignore is an allow-list too).
+FROM ${PYTHON_IMAGE} AS source
+WORKDIR /src
+COPY pyproject.toml README.md constraints.txt ./
+COPY training/ training/
+COPY msn_serve/ msn_serve/
+COPY visualizer/ visualizer/
+COPY configs/ configs/
+
+# --------------------------------------------------------------------------------------------------------------------
+# serve: CPU serving image. `pip install .[serve]` alone: no torch, so the image stays small.
+FROM ${PYTHON_IMAGE} AS serve-build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY --from=source /src /src
+WORKDIR /src
+RUN pip install --no-cache-dir -c constraints.txt ".[serve]" \
+    && python -c "import msn_serve, onnxruntime, faiss; print('onnxruntime', onnxruntime.__version__)" \
+    && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve image" >&2; exit 1; fi
+
+FROM ${PYTHON_IMAGE} AS serve
+ARG MSN_VERSION=0.1.0
+LABEL org.opencontainers.image.title="msn-serve" \
+      org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime, CPU, no torch)" \
+      org.opencontainers.image.version="${MSN_VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    MSN_SERVE_HOST=0.0.0.0 \
+    MSN_SERVE_PORT=8000 \
+    MSN_SERVE_BUNDLE=/models/bundle \
+    MSN_SERVE_DATA_DIR=/data \
+    MSN_SERVE_DEVICE=cpu
+RUN groupadd --system --gid 10001 msn \
+    && useradd --system --uid 10001 --gid msn --home-dir /home/msn --create-home --shell /usr/sbin/nologin msn \
+    && mkdir -p /data /models \
+    && chown msn:msn /data
+COPY --from=serve-build /opt/venv /opt/venv
+USER 10001:10001
+WORKDIR /home/msn
+EXPOSE 8000
+# Liveness only (the process answers HTTP); readiness after warm-up is /readyz, used by Kubernetes.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('MSN_SERVE_PORT', '8000'), timeout=4)"]
+ENTRYPOINT ["msn-serve"]
+
+# --------------------------------------------------------------------------------------------------------------------
+# serve-gpu: CUDA 13 + cuDNN 9 runtime base, the distribution's Python (3.12 on Ubuntu 24.04), onnxruntime-gpu.
+FROM ${CUDA_IMAGE} AS serve-gpu-base
+# Ubuntu's archive keeps only the newest build of a package, so apt versions cannot be pinned durably;
+# reproducibility comes from the pinned base image tag.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM serve-gpu-base AS serve-gpu-build
+ARG ONNXRUNTIME_GPU_VERSION=1.31.1
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY --from=source /src /src
+WORKDIR /src
+# The serve extra pulls the CPU `onnxruntime`; it and `onnxruntime-gpu` install into the same package directory, so
+# remove both and reinstall the GPU build alone (the documented way to switch). faiss stays faiss-cpu: msn_serve does
+# not move indexes to the GPU (see docs/deploy.md).
+RUN pip install --no-cache-dir -c constraints.txt ".[serve,gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+    && pip uninstall -y onnxruntime onnxruntime-gpu \
+    && pip install --no-cache-dir --no-deps "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+    && python -c "import onnxruntime as ort; p = ort.get_available_providers(); print(p); assert 'CUDAExecutionProvider' in p" \
+    && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve-gpu image" >&2; exit 1; fi
+
+FROM serve-gpu-base AS serve-gpu
+ARG MSN_VERSION=0.1.0
+LABEL org.opencontainers.image.title="msn-serve-gpu" \
+      org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime CUDA 13)" \
+      org.opencontainers.image.version="${MSN_VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    MSN_SERVE_HOST=0.0.0.0 \
+    MSN_SERVE_PORT=8000 \
+    MSN_SERVE_BUNDLE=/models/bundle \
+    MSN_SERVE_DATA_DIR=/data \
+    MSN_SERVE_DEVICE=cuda
+RUN groupadd --system --gid 10001 msn \
+    && useradd --system --uid 10001 --gid msn --home-dir /home/msn --create-home --shell /usr/sbin/nologin msn \
+    && mkdir -p /data /models \
+    && chown msn:msn /data
+COPY --from=serve-gpu-build /opt/venv /opt/venv
+USER 10001:10001
+WORKDIR /home/msn
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=180s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('MSN_SERVE_PORT', '8000'), timeout=4)"]
+ENTRYPOINT ["msn-serve"]
+
+# --------------------------------------------------------------------------------------------------------------------
+# train: torch 2.13.0 from PyPI (the Linux x86_64 wheel there is the CUDA 13 build; its CUDA/cuDNN/NCCL libraries
+# come as nvidia-* wheels), the train and viz extras, the training scripts and configs under /workspace.
+FROM ${PYTHON_IMAGE} AS train-build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY --from=source /src /src
+WORKDIR /src
+RUN pip install --no-cache-dir -c constraints.txt ".[train,viz]" \
+    && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+FROM ${PYTHON_IMAGE} AS train
+ARG MSN_VERSION=0.1.0
+LABEL org.opencontainers.image.title="msn-train" \
+      org.opencontainers.image.description="Masked Siamese Networks pretraining, evaluation, export and visualizer (torch 2.13.0, CUDA)" \
+      org.opencontainers.image.version="${MSN_VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PATH=/opt/venv/bin:$PATH \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    HF_HUB_OFFLINE=1 \
+    GRADIO_ANALYTICS_ENABLED=False \
+    MPLCONFIGDIR=/tmp/matplotlib
+RUN groupadd --system --gid 10001 msn \
+    && useradd --system --uid 10001 --gid msn --home-dir /home/msn --create-home --shell /usr/sbin/nologin msn \
+    && mkdir -p /workspace/runs /workspace/bundles \
+    && chown msn:msn /workspace/runs /workspace/bundles
+COPY --from=train-build /opt/venv /opt/venv
+COPY --from=source /src/training /workspace/training
+COPY --from=source /src/configs /workspace/configs
+USER 10001:10001
+WORKDIR /workspace
+# Training jobs have no HTTP endpoint; the visualizer's check lives in deploy/compose.yaml.
+HEALTHCHECK NONE
+CMD ["torchrun", "--help"]

@@ -1,0 +1,4 @@
+"""``python -m msn_serve`` == ``msn-serve``."""
+from .cli import main
+
+raise SystemExit(main())

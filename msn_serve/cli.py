@@ -1,0 +1,69 @@
+"""``msn-serve``: flags override ``MSN_SERVE_*`` environment variables; settings are printed (key redacted)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from .config import Settings
+
+FLAGS: list[tuple[str, type, str]] = [
+    ("bundle", str, "exported bundle directory (msn-export output)"),
+    ("data-dir", str, "directory for classifiers and indexes (created if missing)"),
+    ("host", str, "bind address (default 127.0.0.1)"),
+    ("port", int, "TCP port (default 8000; 0 = any free port)"),
+    ("api-key-file", str, "file with the Bearer API key; omit for no auth"),
+    ("device", str, "cpu or cuda"),
+    ("max-batch-size", int, "images per inference batch"),
+    ("max-wait-ms", float, "how long the first image of a batch waits for company"),
+    ("queue-size", int, "images allowed to wait; beyond that requests get 503 + Retry-After"),
+    ("max-body-mb", float, "request body limit (413 beyond)"),
+    ("max-image-pixels", int, "decoded width*height limit per image (413 beyond)"),
+    ("max-images-per-request", int, "images/vectors per request (413 beyond)"),
+    ("intra-op-threads", int, "ONNX Runtime intra-op threads (0 = cores)"),
+    ("log-level", str, "debug, info, warning, error"),
+]
+
+
+def parse_args(argv: Sequence[str] | None) -> dict:
+    p = argparse.ArgumentParser(prog="msn-serve", description="Serve an MSN bundle: embeddings, few-shot "
+                                "classifiers, FAISS search, Open Inference Protocol. Every flag can also be "
+                                "set as MSN_SERVE_<NAME> (e.g. MSN_SERVE_MAX_BATCH_SIZE=64).")
+    for name, typ, help_ in FLAGS:
+        p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_)
+    p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,
+                   help="on CUDA, serve the fp32 graph")
+    return {k: v for k, v in vars(p.parse_args(argv)).items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    overrides = parse_args(argv)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as e:
+        print(f"msn-serve: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    print(f"msn-serve settings: {settings.banner()}", file=sys.stderr, flush=True)
+
+    import uvicorn
+
+    from .app import create_app
+    from .bundle import BundleError
+
+    try:
+        app = create_app(settings)
+    except (BundleError, OSError, ValueError) as e:
+        print(f"msn-serve: cannot start: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                access_log=False, timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

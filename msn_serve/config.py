@@ -1,0 +1,63 @@
+"""Service settings: one pydantic-settings model fed by ``MSN_SERVE_*`` environment variables and CLI flags.
+
+Keeping every knob in one typed object means the start-up banner, the CLI and the tests all agree on names and
+defaults, and the API key can never leak into logs (it is a ``SecretStr`` and is redacted when printed).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """All serving options. CLI flags override environment variables, which override defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="MSN_SERVE_", extra="forbid")
+
+    bundle: Path = Field(description="exported bundle directory (model.onnx + msn.json)")
+    data_dir: Path = Field(Path("msn-data"), description="where classifiers and indexes are persisted")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key_file: Path | None = Field(None, description="file holding the Bearer API key; unset = no auth")
+    api_key: SecretStr | None = Field(None, description="API key given directly (prefer api_key_file)")
+    device: Literal["cpu", "cuda"] = "cpu"
+    fp16: bool = Field(True, description="on CUDA, run an fp16 variant of the model (fp32 inputs/outputs)")
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0)
+    queue_size: int = Field(512, ge=1, description="images waiting for inference before new ones get 503")
+    max_body_mb: float = Field(32.0, gt=0.0)
+    max_image_pixels: int = Field(40_000_000, ge=1, description="decoded width*height limit (bomb guard)")
+    max_images_per_request: int = Field(256, ge=1)
+    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = physical cores")
+    fit_threads: int = Field(1, ge=1, description="threads for cyanure fits")
+    default_lambd: float = Field(0.0025, gt=0.0, description="few-shot L2 strength before division by n")
+    wal_compact_mb: float = Field(64.0, gt=0.0, description="snapshot an index once its WAL exceeds this")
+    log_level: str = "info"
+
+    @field_validator("bundle", "data_dir", "api_key_file", mode="after")
+    @classmethod
+    def _expand(cls, v: Path | None) -> Path | None:
+        return None if v is None else v.expanduser()
+
+    def resolved_api_key(self) -> str | None:
+        """The configured key (file wins over the direct value); stripped of the trailing newline editors add."""
+        if self.api_key_file is not None:
+            key = self.api_key_file.read_text(encoding="utf-8").strip()
+            if not key:
+                raise ValueError(f"API key file {self.api_key_file} is empty")
+            return key
+        if self.api_key is not None:
+            return self.api_key.get_secret_value() or None
+        return None
+
+    def banner(self) -> str:
+        """Settings as printed at start-up, secrets redacted."""
+        data = self.model_dump(mode="json")
+        if data.get("api_key") is not None:
+            data["api_key"] = "***redacted***"
+        data["auth"] = "bearer" if (self.api_key_file or self.api_key) else "off"
+        return json.dumps(data, sort_keys=True)

@@ -1,0 +1,369 @@
+"""Named FAISS indexes with external int64 ids, JSON metadata, and WAL + snapshot persistence.
+
+Layout per index: ``indexes/<name>/config.json`` (immutable after create), ``snapshot.npz`` (serialised FAISS index
++ metadata + last applied WAL sequence, replaced atomically) and ``wal.log`` (add/remove records, fsync'd before a
+request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
+``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
+snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import struct
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import faiss
+import numpy as np
+
+from .errors import ApiError, conflict, not_found, unprocessable
+from .storage import WriteAheadLog, atomic_write, quarantine, remove_durably
+
+log = logging.getLogger("msn_serve.indexes")
+MAX_ID = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    dim: int
+    metric: Literal["ip", "l2"] = "ip"
+    type: Literal["flat", "ivf", "hnsw"] = "flat"
+    normalize: bool = True
+    nlist: int = 256
+    nprobe: int = 16
+    m: int = 32
+    ef_construction: int = 80
+    ef_search: int = 64
+    model_id: str = ""
+
+
+def _build(cfg: IndexConfig) -> faiss.Index:
+    metric = faiss.METRIC_INNER_PRODUCT if cfg.metric == "ip" else faiss.METRIC_L2
+    if cfg.type == "flat":
+        inner = faiss.IndexFlatIP(cfg.dim) if cfg.metric == "ip" else faiss.IndexFlatL2(cfg.dim)
+    elif cfg.type == "ivf":
+        quant = faiss.IndexFlatIP(cfg.dim) if cfg.metric == "ip" else faiss.IndexFlatL2(cfg.dim)
+        # IVF stores external ids in its inverted lists natively. It must NOT sit inside an IndexIDMap: IVF's
+        # remove_ids does not renumber internal ids the way IDMap's bookkeeping assumes, so ids would scramble.
+        return faiss.IndexIVFFlat(quant, cfg.dim, cfg.nlist, metric)  # the wrapper keeps `quant` alive
+    else:
+        inner = faiss.IndexHNSWFlat(cfg.dim, cfg.m, metric)
+        inner.hnsw.efConstruction = cfg.ef_construction
+    return faiss.IndexIDMap2(inner)  # faiss' Python wrapper keeps a reference to `inner`
+
+
+def _encode(op: str, ids: np.ndarray, vecs: np.ndarray | None, metadata: list | None) -> bytes:
+    head = json.dumps({"op": op, "n": int(ids.size), "dim": 0 if vecs is None else int(vecs.shape[1]),
+                       "metadata": metadata}).encode()
+    body = ids.astype("<i8").tobytes() + (b"" if vecs is None else vecs.astype("<f4").tobytes())
+    return struct.pack("<I", len(head)) + head + body
+
+
+def _decode(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, list | None]:
+    (hl,) = struct.unpack_from("<I", payload)
+    head = json.loads(payload[4: 4 + hl])
+    n, dim = head["n"], head["dim"]
+    ids = np.frombuffer(payload, dtype="<i8", count=n, offset=4 + hl).astype(np.int64)
+    vecs = None
+    if dim:
+        vecs = np.frombuffer(payload, dtype="<f4", count=n * dim, offset=4 + hl + 8 * n).reshape(n, dim)
+    return head["op"], ids, vecs, head["metadata"]
+
+
+class ManagedIndex:
+    """One index: all mutations and searches hold ``lock`` (FAISS mutations are not thread-safe)."""
+
+    def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: dict[int, Any], seq: int,
+                 ids: set[int]):
+        self.path, self.cfg, self.index, self.metadata, self.seq = path, cfg, index, metadata, seq
+        self.lock = threading.RLock()
+        self.ids = ids
+        self.wal = WriteAheadLog(path / "wal.log")
+        self.created = time.time()
+
+    # ---- persistence ------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, cfg: IndexConfig) -> ManagedIndex:
+        path.mkdir(parents=True, exist_ok=False)
+        atomic_write(path / "config.json", json.dumps(asdict(cfg), indent=1).encode())
+        return cls(path, cfg, _build(cfg), {}, 0, set())
+
+    @classmethod
+    def load(cls, path: Path, data_dir: Path) -> ManagedIndex:
+        """Open from disk; a corrupt config/snapshot raises, a corrupt WAL record is quarantined and the valid
+        prefix replayed (a torn tail is an unacknowledged write and is dropped)."""
+        cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
+        snap = path / "snapshot.npz"
+        index, metadata, seq, ids = _build(cfg), {}, 0, set()
+        if snap.exists():
+            with np.load(snap, allow_pickle=False) as z:
+                index = faiss.deserialize_index(np.ascontiguousarray(z["index"]))
+                meta = json.loads(bytes(z["meta"]).decode())
+                ids = set(np.asarray(z["ids"], dtype=np.int64).tolist())
+            if len(ids) != index.ntotal:
+                raise ValueError(f"snapshot has {index.ntotal} vectors but {len(ids)} ids")
+            metadata = {int(k): v for k, v in meta["metadata"].items()}
+            seq = int(meta["seq"])
+            if index.d != cfg.dim:
+                raise ValueError(f"snapshot dim {index.d} != config dim {cfg.dim}")
+        records, valid_len, problem = WriteAheadLog.read(path / "wal.log")
+        if problem is not None:
+            if problem.startswith("torn tail"):
+                log.warning("%s: WAL %s; dropping the unacknowledged tail", path.name, problem)
+            else:
+                quarantine(data_dir, _copy(path / "wal.log"), f"WAL {problem}; replaying the valid prefix")
+            with open(path / "wal.log", "r+b") as f:
+                f.truncate(valid_len)
+        obj = cls(path, cfg, index, metadata, seq, ids)
+        replayed = 0
+        for rseq, payload in records:
+            if rseq <= obj.seq:
+                continue
+            op, ids, vecs, meta_list = _decode(payload)
+            obj._apply(op, ids, vecs, meta_list)
+            obj.seq = rseq
+            replayed += 1
+        log.info("index %s: %d vectors (%d WAL records replayed)", path.name, obj.index.ntotal, replayed)
+        return obj
+
+    def snapshot(self) -> None:
+        with self.lock:
+            meta = json.dumps({"seq": self.seq, "metadata": {str(k): v for k, v in self.metadata.items()}})
+            buf = io.BytesIO()
+            np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
+                     ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
+            atomic_write(self.path / "snapshot.npz", buf.getvalue())
+            self.wal.truncate(0)  # records <= seq are in the snapshot; a crash before this only re-skips them
+
+    def close(self) -> None:
+        with self.lock:
+            if self.wal.size():
+                self.snapshot()
+            self.wal.close()
+
+    # ---- mutations --------------------------------------------------------------------------------------------
+    def _prepare(self, vecs: np.ndarray) -> np.ndarray:
+        v = np.ascontiguousarray(vecs, dtype=np.float32)
+        if v.ndim != 2 or v.shape[1] != self.cfg.dim:
+            raise unprocessable(f"vectors must have shape (n, {self.cfg.dim}), got {tuple(v.shape)}")
+        if not np.isfinite(v).all():
+            raise unprocessable("vectors contain NaN or infinity")
+        if self.cfg.normalize:
+            v = v.copy()
+            norms = np.linalg.norm(v, axis=1)
+            if (norms == 0).any():
+                raise unprocessable("cannot normalise an all-zero vector (index was created with normalize)")
+            faiss.normalize_L2(v)
+        return v
+
+    def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, meta_list: list | None) -> None:
+        if op == "add":
+            self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+            self.ids.update(ids.tolist())
+            if meta_list is not None:
+                for i, m in zip(ids.tolist(), meta_list, strict=True):
+                    if m is not None:
+                        self.metadata[i] = m
+        elif op == "remove":
+            self.index.remove_ids(ids)
+            for i in ids.tolist():
+                self.ids.discard(i)
+                self.metadata.pop(i, None)
+        else:  # pragma: no cover - only our own writer produces records
+            raise ValueError(f"unknown WAL op {op!r}")
+
+    def add(self, ids: list[int], vecs: np.ndarray, metadata: list | None) -> int:
+        arr = _check_ids(ids)
+        v = self._prepare(vecs)
+        if v.shape[0] != arr.size:
+            raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
+        if metadata is not None and (not isinstance(metadata, list) or len(metadata) != arr.size):
+            raise unprocessable("metadata must be a JSON list with one entry (or null) per id")
+        with self.lock:
+            dup = sorted(set(arr.tolist()) & self.ids)
+            if dup:
+                raise conflict(f"ids already in the index (delete them first): {dup[:10]}")
+            if self.cfg.type == "ivf" and not self.index.is_trained:
+                if arr.size < self.cfg.nlist:
+                    raise unprocessable(f"an ivf index trains on its first add: send at least nlist="
+                                        f"{self.cfg.nlist} vectors (got {arr.size}) or create it with a smaller nlist")
+                self.index.train(v)
+                self._apply("add", arr, v, metadata)
+                self.seq += 1
+                self.snapshot()  # training is not replayed bit-exactly, so persist its result directly
+                return arr.size
+            self.seq += 1
+            self.wal.append(self.seq, _encode("add", arr, v, metadata))
+            self._apply("add", arr, v, metadata)
+            self._maybe_compact()
+        return arr.size
+
+    def remove(self, ids: list[int]) -> dict[str, Any]:
+        arr = _check_ids(ids)
+        if self.cfg.type == "hnsw":
+            raise conflict("hnsw indexes cannot delete vectors (FAISS limitation); use a flat or ivf index")
+        with self.lock:
+            present = np.array([i for i in arr.tolist() if i in self.ids], dtype=np.int64)
+            missing = sorted(set(arr.tolist()) - set(present.tolist()))
+            if present.size:
+                self.seq += 1
+                self.wal.append(self.seq, _encode("remove", present, None, None))
+                self._apply("remove", present, None, None)
+                self._maybe_compact()
+        return {"removed": int(present.size), "not_found": missing}
+
+    def _maybe_compact(self) -> None:
+        if self.wal.size() > self.compact_bytes:
+            self.snapshot()
+
+    compact_bytes = 64 * 2**20
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
+        q = self._prepare(vecs)
+        params = None
+        if self.cfg.type == "ivf":
+            params = faiss.SearchParametersIVF(nprobe=int(nprobe or self.cfg.nprobe))
+        elif self.cfg.type == "hnsw":
+            params = faiss.SearchParametersHNSW(efSearch=int(max(ef_search or self.cfg.ef_search, k)))
+        with self.lock:
+            if self.index.ntotal == 0:
+                return [[] for _ in range(q.shape[0])]
+            dist, labels = self.index.search(q, int(k), params=params)
+            out = []
+            for drow, lrow in zip(dist.tolist(), labels.tolist(), strict=True):
+                hits = []
+                for d, i in zip(drow, lrow, strict=True):
+                    if i < 0:
+                        continue
+                    hit: dict[str, Any] = {"id": int(i), "score": float(d)}
+                    if i in self.metadata:
+                        hit["metadata"] = self.metadata[i]
+                    hits.append(hit)
+                out.append(hits)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
+                    "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
+                    "wal_bytes": self.wal.size(), "seq": self.seq,
+                    "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
+                    else "squared L2 distance (lower is closer)"}
+
+
+def _check_ids(ids: Any) -> np.ndarray:
+    if not isinstance(ids, list) or not ids:
+        raise unprocessable("ids must be a non-empty JSON list of integers")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID for i in ids):
+        raise unprocessable(f"ids must be integers in [0, {MAX_ID}]")
+    if len(set(ids)) != len(ids):
+        raise unprocessable("ids contain duplicates")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _copy(path: Path) -> Path:
+    dest = path.with_name(path.name + ".corrupt-copy")
+    dest.write_bytes(path.read_bytes())
+    return dest
+
+
+class IndexStore:
+    """All indexes under ``<data-dir>/indexes``; create/drop are serialised by one lock."""
+
+    def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0):
+        self.data_dir = data_dir
+        self.root = data_dir / "indexes"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.default_dim, self.model_id = default_dim, model_id
+        self.compact_bytes = int(compact_mb * 2**20)
+        self._lock = threading.Lock()
+        self.indexes: dict[str, ManagedIndex] = {}
+
+    def load_all(self) -> list[str]:
+        problems = []
+        for p in sorted(self.root.iterdir()):
+            if not p.is_dir() or p.name.startswith("."):
+                continue
+            try:
+                idx = ManagedIndex.load(p, self.data_dir)
+                idx.compact_bytes = self.compact_bytes
+                self.indexes[p.name] = idx
+            except Exception as e:  # noqa: BLE001 - any parse failure means: quarantine, keep serving the rest
+                quarantine(self.data_dir, p, f"cannot load index: {e!r}")
+                problems.append(p.name)
+        return problems
+
+    def get(self, name: str) -> ManagedIndex:
+        idx = self.indexes.get(name)
+        if idx is None:
+            raise not_found(f"no index named {name!r}")
+        return idx
+
+    def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False) -> ManagedIndex:
+        with self._lock:
+            if name in self.indexes:
+                if exist_ok:
+                    return self.indexes[name]
+                raise conflict(f"index {name!r} already exists")
+            cfg = _config_from(spec, self.default_dim, self.model_id)
+            idx = ManagedIndex.create(self.root / name, cfg)
+            idx.compact_bytes = self.compact_bytes
+            self.indexes[name] = idx
+            return idx
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            idx = self.get(name)
+            with idx.lock:
+                idx.wal.close()
+                remove_durably(idx.path)
+            del self.indexes[name]
+
+    def close(self) -> None:
+        for idx in self.indexes.values():
+            try:
+                idx.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing index %s", idx.path.name)
+
+
+def _config_from(spec: dict[str, Any], default_dim: int, model_id: str) -> IndexConfig:
+    allowed = {"dim", "metric", "type", "normalize", "nlist", "nprobe", "m", "ef_construction", "ef_search"}
+    bad = sorted(set(spec) - allowed)
+    if bad:
+        raise unprocessable(f"unknown index option(s) {bad}; allowed: {sorted(allowed)}")
+    metric = spec.get("metric", "ip")
+    kind = spec.get("type", "flat")
+    if metric not in ("ip", "l2"):
+        raise unprocessable(f"metric must be 'ip' or 'l2', got {metric!r}")
+    if kind not in ("flat", "ivf", "hnsw"):
+        raise unprocessable(f"type must be 'flat', 'ivf' or 'hnsw', got {kind!r}")
+    ints = {}
+    for key, default, lo, hi in (("dim", default_dim, 1, 65536), ("nlist", 256, 1, 1 << 20),
+                                 ("nprobe", 16, 1, 1 << 20), ("m", 32, 2, 256),
+                                 ("ef_construction", 80, 1, 4096), ("ef_search", 64, 1, 4096)):
+        v = spec.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise unprocessable(f"{key} must be an integer in [{lo}, {hi}], got {v!r}")
+        ints[key] = v
+    normalize = spec.get("normalize", metric == "ip")
+    if not isinstance(normalize, bool):
+        raise unprocessable(f"normalize must be true or false, got {normalize!r}")
+    if kind == "ivf" and ints["nprobe"] > ints["nlist"]:
+        ints["nprobe"] = ints["nlist"]
+    return IndexConfig(metric=metric, type=kind, normalize=normalize, model_id=model_id, **ints)
+
+
+def recommended_nlist(n: int) -> int:
+    """4*sqrt(n) rounded to a power of two (the autofaiss rule of thumb), for docs and benchmarks."""
+    return 1 << max(0, round(math.log2(max(1.0, 4 * math.sqrt(n)))))
+
+
+__all__ = ["ApiError", "IndexConfig", "IndexStore", "ManagedIndex", "recommended_nlist"]

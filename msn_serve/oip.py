@@ -1,0 +1,229 @@
+"""Open Inference Protocol (KServe v2 REST) with Triton's binary tensor extension, under ``/v2``.
+
+``tritonclient.http`` sends tensors as raw bytes after a JSON header by default (``Inference-Header-Content-Length``
+gives the JSON length; each binary input carries ``parameters.binary_data_size``), so the extension is not
+optional in practice. Inference goes through the same batcher as ``/embed``: every row of an OIP batch is an item,
+so OIP and native clients share batches. Inputs: ``pixel_values`` FP32 [B,C,H,W] (already normalised), optional
+``keep_idx`` INT64 [B,K] and ``keep_mask`` BOOL [B,K]; output ``embedding`` FP32 [B,D]. Errors: ``{"error": ...}``.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from .errors import ApiError, bad_request, not_found, too_large
+from .service import Service
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol"])
+HEADER = "Inference-Header-Content-Length"
+DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
+          "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+          "UINT64": np.uint64, "BOOL": np.bool_}
+
+
+def _version() -> str:
+    try:
+        return version("msn")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0.0.0"
+
+
+def _svc(request: Request) -> Service:
+    return request.app.state.service
+
+
+def _model(request: Request, model: str) -> Service:
+    svc = _svc(request)
+    if model not in (svc.info.model_id, "msn"):
+        raise not_found(f"unknown model {model!r}; this server serves {svc.info.model_id!r} (alias 'msn')")
+    return svc
+
+
+@router.get("")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "msn-serve", "version": _version(), "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live")
+async def live() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> Response:
+    ok, detail = await _svc(request).readiness()
+    if not ok:
+        raise ApiError(503, detail.get("error", "not ready: warming up"))
+    return Response(status_code=200)
+
+
+@router.get("/models/{model}/ready")
+@router.get("/models/{model}/versions/{ver}/ready")
+async def model_ready(model: str, request: Request, ver: str | None = None) -> Response:
+    svc = _model(request, model)
+    ok, detail = await svc.readiness()
+    if not ok:
+        raise ApiError(503, detail.get("error", "model not ready: warming up"))
+    return Response(status_code=200)
+
+
+@router.get("/models/{model}")
+@router.get("/models/{model}/versions/{ver}")
+async def model_metadata(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
+    svc = _model(request, model)
+    i = svc.info
+    inputs = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, i.in_chans, i.image_size, i.image_size]},
+              {"name": "keep_idx", "datatype": "INT64", "shape": [-1, -1], "optional": True},
+              {"name": "keep_mask", "datatype": "BOOL", "shape": [-1, -1], "optional": True}]
+    return {"name": i.model_id, "versions": ["1"], "platform": "onnxruntime_onnx", "inputs": inputs,
+            "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, i.embed_dim]}],
+            "parameters": {"patch_grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
+                           "preprocessing": i.raw.get("preprocessing")}}
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise ApiError(415, f"unsupported Content-Encoding {encoding!r}")
+    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise bad_request(f"cannot decompress request body: {e}") from None
+    if len(out) > limit:
+        raise too_large(f"decompressed request body exceeds {limit} bytes")
+    return out
+
+
+def _tensor(spec: dict[str, Any], blob: memoryview | None) -> np.ndarray:
+    name, dtype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
+    if dtype not in DTYPES:
+        raise bad_request(f"input {name!r}: unsupported datatype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise bad_request(f"input {name!r}: shape must be a list of non-negative integers")
+    count = int(np.prod(shape)) if shape else 1
+    if blob is not None:
+        np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
+        if len(blob) != count * np_dtype.itemsize:
+            raise bad_request(f"input {name!r}: {len(blob)} bytes do not match shape {shape} of {dtype}")
+        arr = np.frombuffer(blob, dtype=np_dtype)
+    else:
+        if "data" not in spec:
+            raise bad_request(f"input {name!r}: no 'data' and no binary_data_size")
+        try:
+            arr = np.asarray(spec["data"], dtype=DTYPES[dtype]).reshape(-1)
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"input {name!r}: data does not parse as {dtype} ({e})") from None
+        if arr.size != count:
+            raise bad_request(f"input {name!r}: {arr.size} elements do not match shape {shape}")
+    return arr.reshape(shape)
+
+
+def _parse(request_json: dict[str, Any], binary: bytes) -> dict[str, np.ndarray]:
+    inputs = request_json.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise bad_request("request needs a non-empty 'inputs' list")
+    tensors: dict[str, np.ndarray] = {}
+    offset, view = 0, memoryview(binary)
+    for spec in inputs:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad_request("each input must be an object with a 'name'")
+        size = (spec.get("parameters") or {}).get("binary_data_size")
+        blob = None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise bad_request(f"input {spec['name']!r}: binary_data_size {size!r} exceeds the binary payload")
+            blob, offset = view[offset: offset + size], offset + size
+        if spec["name"] in tensors:
+            raise bad_request(f"input {spec['name']!r} given twice")
+        tensors[spec["name"]] = _tensor(spec, blob)
+    if offset != len(binary):
+        raise bad_request(f"{len(binary) - offset} trailing bytes after the binary inputs")
+    return tensors
+
+
+def _items(svc: Service, t: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    i = svc.info
+    unknown = sorted(set(t) - {"pixel_values", "keep_idx", "keep_mask"})
+    if unknown:
+        raise bad_request(f"unknown input(s) {unknown}; expected pixel_values [, keep_idx, keep_mask]")
+    if "pixel_values" not in t:
+        raise bad_request("missing input 'pixel_values'")
+    px = t["pixel_values"]
+    want = (i.in_chans, i.image_size, i.image_size)
+    if px.ndim != 4 or px.shape[1:] != want:
+        raise bad_request(f"pixel_values must have shape [B, {want[0]}, {want[1]}, {want[2]}], got {list(px.shape)}")
+    px = px.astype(np.float32)
+    if not np.isfinite(px).all():
+        raise bad_request("pixel_values contain NaN or infinity")
+    b = px.shape[0]
+    svc.check_count(b)
+    if "keep_idx" not in t:
+        if "keep_mask" in t:
+            raise bad_request("keep_mask needs keep_idx")
+        full = np.arange(i.num_patches, dtype=np.int64)
+        return [(px[r], full) for r in range(b)]
+    ki = t["keep_idx"]
+    if ki.dtype.kind not in "iu" or ki.ndim != 2 or ki.shape[0] != b or ki.shape[1] < 1:
+        raise bad_request(f"keep_idx must be an integer tensor [B={b}, K>=1], got {ki.dtype} {list(ki.shape)}")
+    km = t.get("keep_mask")
+    if km is not None and (km.dtype != np.bool_ or km.shape != ki.shape):
+        raise bad_request(f"keep_mask must be BOOL with the shape of keep_idx {list(ki.shape)}")
+    items = []
+    for r in range(b):
+        row = ki[r].astype(np.int64) if km is None else ki[r][km[r]].astype(np.int64)
+        if row.size == 0:
+            raise bad_request(f"row {r}: keep_mask keeps no patch")
+        if row.min() < 0 or row.max() >= i.num_patches:
+            raise bad_request(f"row {r}: keep_idx values must be in [0, {i.num_patches})")
+        uniq = np.unique(row)
+        if uniq.size != row.size:
+            raise bad_request(f"row {r}: keep_idx has duplicate indices")
+        items.append((px[r], uniq))
+    return items
+
+
+@router.post("/models/{model}/infer")
+@router.post("/models/{model}/versions/{ver}/infer")
+async def infer(model: str, request: Request, ver: str | None = None) -> Response:
+    svc = _model(request, model)
+    limit = int(svc.settings.max_body_mb * 2**20)
+    body = _decompress(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
+    hlen = request.headers.get(HEADER)
+    if hlen is not None:
+        if not hlen.isdigit() or int(hlen) > len(body):
+            raise bad_request(f"{HEADER} {hlen!r} is not a valid length for a {len(body)}-byte body")
+        head, binary = body[: int(hlen)], body[int(hlen):]
+    else:
+        head, binary = body, b""
+    try:
+        req = json.loads(head)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"inference request header is not valid JSON ({e})") from None
+    if not isinstance(req, dict):
+        raise bad_request("inference request must be a JSON object")
+    items = _items(svc, _parse(req, binary))
+    outputs = req.get("outputs") or []
+    if not isinstance(outputs, list) or any(not isinstance(o, dict) or o.get("name") != "embedding" for o in outputs):
+        raise bad_request("the only output is 'embedding'")
+    binary_out = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    for o in outputs:
+        binary_out = bool((o.get("parameters") or {}).get("binary_data", binary_out))
+    emb = await svc.batcher.embed(items)
+    out: dict[str, Any] = {"name": "embedding", "datatype": "FP32", "shape": list(emb.shape)}
+    resp: dict[str, Any] = {"model_name": svc.info.model_id, "model_version": "1", "outputs": [out]}
+    if "id" in req:
+        resp["id"] = req["id"]
+    if not binary_out:
+        out["data"] = emb.reshape(-1).tolist()
+        return Response(json.dumps(resp), media_type="application/json")
+    raw = emb.astype("<f4").tobytes()
+    out["parameters"] = {"binary_data_size": len(raw)}
+    header = json.dumps(resp).encode()
+    return Response(header + raw, media_type="application/octet-stream", headers={HEADER: str(len(header))})

@@ -1,0 +1,132 @@
+"""Crash-safe file primitives: atomic replace, a CRC-framed write-ahead log, and quarantine.
+
+Durability model: a mutation is acknowledged only after its bytes are fsync'd — either a whole new file
+(temp file + fsync + rename + directory fsync: classifiers, index configs and snapshots) or one appended WAL record
+(index add/delete). After ``kill -9`` the state is exactly the acknowledged operations. Files that fail to parse
+at start-up are moved under ``<data-dir>/quarantine/`` with a logged reason instead of being dropped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("msn_serve.storage")
+
+_MAGIC = b"MSNW"
+_HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32(seq + payload), sequence number
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so a crash leaves either the old or the new file, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def remove_durably(path: Path) -> None:
+    if path.is_dir():
+        trash = path.with_name(f".{path.name}.deleted.{time.time_ns()}")
+        os.replace(path, trash)  # atomic: the name is gone even if rmtree is interrupted
+        fsync_dir(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+
+
+def clean_temp_files(root: Path) -> None:
+    """Delete leftovers of interrupted atomic writes / deletions (never acknowledged, safe to drop)."""
+    for p in list(root.rglob(".*.tmp")) + list(root.rglob(".*.deleted.*")):
+        if "quarantine" in p.relative_to(root).parts:
+            continue
+        log.info("removing leftover %s", p)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def quarantine(data_dir: Path, path: Path, reason: str) -> Path:
+    """Move a corrupt file/dir aside (never delete user data) and log why."""
+    qdir = data_dir / "quarantine"
+    qdir.mkdir(parents=True, exist_ok=True)
+    rel = "__".join(path.relative_to(data_dir).parts) if path.is_relative_to(data_dir) else path.name
+    dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**6:06d}-{rel}"
+    os.replace(path, dest)
+    fsync_dir(qdir)
+    fsync_dir(path.parent)
+    log.error("QUARANTINED %s -> %s: %s", path, dest, reason)
+    return dest
+
+
+class WalCorrupt(Exception):
+    """A complete WAL record failed its checksum (not just a torn tail)."""
+
+
+class WriteAheadLog:
+    """Append-only log of opaque payloads; each ``append`` is fsync'd before it returns."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "ab")  # noqa: SIM115 - kept open for the life of the index
+
+    @staticmethod
+    def read(path: Path) -> tuple[list[tuple[int, bytes]], int, str | None]:
+        """Records ``(seq, payload)`` up to the first bad one; returns them, the valid byte length, and a
+        problem description (``None`` if the whole file is valid). A torn tail is reported as such."""
+        if not path.exists():
+            return [], 0, None
+        data = path.read_bytes()
+        out, pos = [], 0
+        while pos < len(data):
+            if len(data) - pos < _HEAD.size:
+                return out, pos, f"torn tail ({len(data) - pos} stray bytes)"
+            magic, length, crc, seq = _HEAD.unpack_from(data, pos)
+            if magic != _MAGIC:
+                return out, pos, f"bad record magic at byte {pos}"
+            end = pos + _HEAD.size + length
+            if end > len(data):
+                return out, pos, f"torn tail (record at byte {pos} is incomplete)"
+            payload = data[pos + _HEAD.size: end]
+            if zlib.crc32(payload, zlib.crc32(struct.pack("<Q", seq))) != crc:
+                return out, pos, f"checksum mismatch at byte {pos}"
+            out.append((seq, payload))
+            pos = end
+        return out, pos, None
+
+    def append(self, seq: int, payload: bytes) -> None:
+        crc = zlib.crc32(payload, zlib.crc32(struct.pack("<Q", seq)))
+        self._f.write(_HEAD.pack(_MAGIC, len(payload), crc, seq) + payload)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def size(self) -> int:
+        return self._f.tell()
+
+    def truncate(self, length: int = 0) -> None:
+        self._f.flush()
+        self._f.truncate(length)
+        self._f.seek(length)
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:  # pragma: no cover - convenience
+        return iter(self.read(self.path)[0])

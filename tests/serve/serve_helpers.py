@@ -1,0 +1,99 @@
+"""Helpers for the serving tests: real ``python -m msn_serve`` subprocesses and test images."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+PREPROCESSING = {"resize": 36, "crop": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+                 "channels": 3, "interpolation": "bicubic"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``python -m msn_serve`` subprocess; ``url`` once :meth:`start` returned."""
+
+    def __init__(self, bundle: Path, data_dir: Path, *args: str, env: dict[str, str] | None = None):
+        self.bundle, self.data_dir, self.args, self.env = bundle, data_dir, list(args), env or {}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}-server.log"
+
+    def start(self, timeout: float = 60.0, expect_ready: bool = True) -> Server:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MSN_SERVE_")}
+        env.update({"PYTHONUNBUFFERED": "1", **self.env})
+        cmd = [sys.executable, "-m", "msn_serve", "--bundle", str(self.bundle), "--data-dir", str(self.data_dir),
+               "--port", str(self.port), "--intra-op-threads", "1", "--max-wait-ms", "2", *self.args]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"msn-serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(f"{self.url}/readyz", timeout=2)
+                if r.status_code == 200 or (not expect_ready and r.status_code in (200, 503)):
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"msn-serve not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kw)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if hasattr(self, "_log") and not self._log.closed:
+            self._log.close()
+
+
+def encode(im: Image.Image | np.ndarray, fmt: str = "PNG", **save) -> bytes:
+    """Image (or uint8 array) -> file bytes in ``fmt``."""
+    if isinstance(im, np.ndarray):
+        im = Image.fromarray(im)
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def random_image(seed: int, h: int = 40, w: int = 48) -> np.ndarray:
+    """Smooth-ish random colour image (resize-sensitive but not pure noise)."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, size=(max(2, h // 4), max(2, w // 4), 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR))

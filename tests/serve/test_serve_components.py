@@ -1,0 +1,177 @@
+"""In-process tests of serving components against the real tiny bundle (no HTTP)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from msn_serve.bundle import load_bundle
+from msn_serve.errors import ApiError
+from msn_serve.fewshot import ClassifierStore, fit
+from msn_serve.indexes import IndexStore
+from msn_serve.masks import resolve_mask, resolve_masks
+from msn_serve.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
+from msn_serve.storage import WriteAheadLog
+
+from serve_helpers import PREPROCESSING, encode, random_image
+
+
+# ---- preprocessing -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(50, 50), (36, 36), (64, 48), (29, 77)])
+def test_preprocessing_matches_training_eval_transform(bundle_dir: Path, shape: tuple[int, int]):
+    """Serving's Pillow pipeline equals training's eval_transform to within one grey level (pre-normalisation)."""
+    import torch
+
+    from training.views import eval_transform
+
+    info = load_bundle(bundle_dir)
+    img = random_image(3, *shape)
+    ours = preprocess_uint8(img.transpose(2, 0, 1), info.pre)
+    ref = eval_transform(torch.from_numpy(img.transpose(2, 0, 1)[None].copy()), resize=36, crop=32,
+                         mean=PREPROCESSING["mean"], std=PREPROCESSING["std"])[0].numpy()
+    assert ours.shape == ref.shape == (3, 32, 32)
+    grey = 1.0 / 255.0 / min(PREPROCESSING["std"])
+    assert np.abs(ours - ref).max() <= grey * 1.01
+    assert np.abs(ours - ref).mean() < grey * 0.35  # most pixels identical, the rest off by one level
+    # The decode path (file bytes) is the same transform.
+    assert np.array_equal(preprocess_bytes(encode(img), info.pre, max_pixels=10**8), ours)
+
+
+def test_extreme_aspect_uses_windowed_resize_equivalently(bundle_dir: Path):
+    pre = load_bundle(bundle_dir).pre
+    im = Image.fromarray(random_image(5, 20, 900))  # resized strip would be 36 x 1620 -> windowed path
+    windowed = np.asarray(resize_crop(im, pre), dtype=np.int16)
+    nw, nh = 1620, 36
+    full = im.resize((nw, nh), Image.Resampling.BICUBIC)
+    left = (nw - 32) // 2
+    ref = np.asarray(full.crop((left, 2, left + 32, 34)), dtype=np.int16)
+    assert np.abs(windowed - ref).max() <= 1
+
+
+# ---- masks ---------------------------------------------------------------------------------------------------------
+def test_mask_forms():
+    g = 8
+    assert np.array_equal(resolve_mask(None, g), np.arange(64))
+    r1, r2 = resolve_mask({"ratio": 0.75, "seed": 3}, g), resolve_mask({"ratio": 0.75, "seed": 3}, g)
+    assert r1.size == 16 and np.array_equal(r1, r2) and np.all(np.diff(r1) > 0)
+    assert not np.array_equal(r1, resolve_mask({"ratio": 0.75, "seed": 4}, g))
+    focal = resolve_mask({"focal": {"size": 2}}, g)
+    assert focal.tolist() == [27, 28, 35, 36]
+    assert resolve_mask({"focal": {"size": [1, 3], "top": 0, "left": 5}}, g).tolist() == [5, 6, 7]
+    assert resolve_mask({"keep_idx": [9, 3, 5]}, g).tolist() == [3, 5, 9]
+    bm = [[0] * 8 for _ in range(8)]
+    bm[0][1] = bm[7][7] = 1
+    assert resolve_mask({"bitmap": bm}, g).tolist() == [1, 63]
+    assert len(resolve_masks([None, {"ratio": 0.5}], 2, g)) == 2
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"ratio": 1.0}, "ratio"), ({"ratio": -0.1}, "ratio"), ({"ratio": "x"}, "ratio"),
+    ({"ratio": 0.5, "seed": -1}, "seed"), ({"focal": {"size": 9}}, "8x8"),
+    ({"focal": {"size": 2, "top": 7}}, "top"), ({"keep_idx": [64]}, "[0, 64)"), ({"keep_idx": [1, 1]}, "duplicate"),
+    ({"keep_idx": []}, "keep_idx"), ({"bitmap": [[1] * 7] * 7}, "8x8"), ({"bitmap": [[0] * 8] * 8}, "keeps no"),
+    ({"bitmap": [[2] * 8] * 8}, "0 (dropped)"), ({"ratio": 0.5, "focal": {}}, "exactly one"), ({"nope": 1}, "unknown"),
+    ([1], "object"),
+])
+def test_bad_masks_are_422_naming_the_problem(spec, needle):
+    with pytest.raises(ApiError) as e:
+        resolve_mask(spec, 8)
+    assert e.value.status == 422 and needle in e.value.message
+
+
+# ---- few-shot ------------------------------------------------------------------------------------------------------
+def _blobs(n_per: int, classes: int, dim: int = 64, seed: int = 0) -> tuple[np.ndarray, list[str]]:
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((classes, dim)) * 3
+    x = np.concatenate([c + rng.standard_normal((n_per, dim)) for c in centres]).astype(np.float32)
+    return x, [f"c{i}" for i in range(classes) for _ in range(n_per)]
+
+
+@pytest.mark.parametrize("classes", [2, 5])
+def test_fewshot_fit_predicts_and_roundtrips(tmp_path: Path, classes: int):
+    x, y = _blobs(6, classes)
+    clf = fit("demo", x, y, lambd=0.0025)
+    pred = [p[0]["label"] for p in clf.predict(x, 3)]
+    assert pred == y
+    probs = [sum(d["probability"] for d in p) for p in clf.predict(x, classes)]
+    assert np.allclose(probs, 1.0)
+    store = ClassifierStore(tmp_path, "m")
+    store.put(clf, overwrite=False)
+    again = ClassifierStore(tmp_path, "m")
+    assert again.load_all() == []
+    assert np.array_equal(again.get("demo").weights, clf.weights) and again.get("demo").classes == clf.classes
+
+
+def test_fewshot_rejects_single_class_and_nan():
+    x, _ = _blobs(4, 2)
+    with pytest.raises(ApiError, match="2 distinct labels"):
+        fit("a", x, ["same"] * len(x), lambd=0.0025)
+    x[0, 0] = np.nan
+    with pytest.raises(ApiError, match="NaN"):
+        fit("a", x, ["a", "b"] * 4, lambd=0.0025)
+
+
+# ---- storage / indexes ---------------------------------------------------------------------------------------------
+def test_wal_torn_tail_and_corruption(tmp_path: Path):
+    wal = WriteAheadLog(tmp_path / "w.log")
+    for i in range(3):
+        wal.append(i + 1, f"payload-{i}".encode())
+    wal.close()
+    data = (tmp_path / "w.log").read_bytes()
+    recs, n, problem = WriteAheadLog.read(tmp_path / "w.log")
+    assert [r[0] for r in recs] == [1, 2, 3] and n == len(data) and problem is None
+    (tmp_path / "w.log").write_bytes(data[:-3])
+    recs, _, problem = WriteAheadLog.read(tmp_path / "w.log")
+    assert len(recs) == 2 and problem.startswith("torn tail")
+    bad = bytearray(data)
+    bad[22] ^= 0xFF  # inside the first payload (20-byte header)
+    (tmp_path / "w.log").write_bytes(bytes(bad))
+    recs, _, problem = WriteAheadLog.read(tmp_path / "w.log")
+    assert len(recs) == 0 and "checksum" in problem
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+def test_index_types_persist_and_search(tmp_path: Path, kind: str):
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((300, 16)).astype(np.float32)
+    store = IndexStore(tmp_path, default_dim=16, model_id="m")
+    idx = store.create("x", {"type": kind, "nlist": 8, "nprobe": 8} if kind == "ivf" else {"type": kind})
+    idx.add(list(range(1000, 1300)), v, [{"i": i} for i in range(300)])
+    hits = idx.search(v[:5], 3)
+    assert [h[0]["id"] for h in hits] == [1000, 1001, 1002, 1003, 1004]
+    assert hits[0][0]["metadata"] == {"i": 0}
+    if kind != "hnsw":
+        assert idx.remove([1000, 5])["not_found"] == [5]
+    else:
+        with pytest.raises(ApiError, match="hnsw"):
+            idx.remove([1000])
+    idx.wal.close()  # simulate a crash: no snapshot on close
+    again = IndexStore(tmp_path, default_dim=16, model_id="m")
+    assert again.load_all() == []
+    j = again.get("x")
+    assert j.index.ntotal == (299 if kind != "hnsw" else 300)
+    assert j.search(v[1:2], 1)[0][0]["id"] == 1001
+    again.close()
+
+
+def test_index_rejects_bad_vectors_and_ids(tmp_path: Path):
+    idx = IndexStore(tmp_path, default_dim=4, model_id="m").create("x", {})
+    for ids, vecs, needle in [([1], np.full((1, 4), np.nan, np.float32), "NaN"),
+                              ([1], np.ones((1, 3), np.float32), "shape"), ([-1], np.ones((1, 4), np.float32), "ids"),
+                              ([1, 1], np.ones((2, 4), np.float32), "duplicates"),
+                              ([1, 2], np.ones((1, 4), np.float32), "2 ids")]:
+        with pytest.raises(ApiError, match=needle):
+            idx.add(ids, vecs, None)
+    idx.add([1], np.ones((1, 4), np.float32), None)
+    with pytest.raises(ApiError) as e:
+        idx.add([1], np.ones((1, 4), np.float32), None)
+    assert e.value.status == 409
+
+
+def test_bundle_metadata_is_what_export_wrote(bundle_dir: Path):
+    info = load_bundle(bundle_dir)
+    raw = json.loads((bundle_dir / "msn.json").read_text())
+    assert info.model_id == raw["model_id"] and info.grid == 8 and info.embed_dim == 64

@@ -1,0 +1,117 @@
+"""End-to-end pretraining runs on CPU: single process, 2-process gloo under torchrun, and exact resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.checkpoint import load_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = str(REPO / "training" / "pretrain.py")
+TINY = [
+    "data.source=synthetic", "data.synthetic_size=64", "data.load_size=16", "data.batch_size=8",
+    "data.num_workers=0", "model.arch=vit_tiny", "model.image_size=16", "model.patch_size=4",
+    "model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.head_hidden_dim=64",
+    "model.head_out_dim=16", "model.num_prototypes=32", "mask.focal_size=8", "mask.num_focal=2",
+    "mask.ratio=0.5", "optim.epochs=3", "optim.warmup_epochs=1", "run.log_every_steps=1",
+    "run.progress_bar=false",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _args(output_dir: Path, extra: list[str]) -> list[str]:
+    args = ["--output-dir", str(output_dir)]
+    for item in TINY + extra:
+        args += ["--set", item]
+    return args
+
+
+def _run(output_dir: Path, extra: list[str], *, resume: bool = False) -> None:
+    cmd = [sys.executable, PRETRAIN, *_args(output_dir, extra)] + (["--resume"] if resume else [])
+    subprocess.run(cmd, check=True, env=_env(), timeout=300, capture_output=True)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    for key in ("encoder", "head", "target_encoder", "target_head"):
+        for name, tensor in a[key].items():
+            assert torch.equal(tensor, b[key][name]), f"{key}.{name} differs"
+    assert torch.equal(a["prototypes"], b["prototypes"])
+    for pid, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["exp_avg"], b["optimizer"]["state"][pid]["exp_avg"])
+    assert (a["step"], a["epoch"], a["batch_in_epoch"]) == (b["step"], b["epoch"], b["batch_in_epoch"])
+
+
+def test_single_process_run_writes_checkpoint_and_metrics(tmp_path):
+    _run(tmp_path, ["run.max_steps=4"])
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert state["step"] == 4 and state["world_size"] == 1
+    assert state["encoder_kwargs"]["embed_dim"] == 32 and state["preprocessing"]["crop"] == 16
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["loss"] == r["loss"] and r["prototype_usage_entropy"] > 0 for r in records)
+    assert (tmp_path / "config.yaml").exists()
+    # The online and target encoders move apart (EMA) and prototypes are trained.
+    assert not torch.equal(state["encoder"]["blocks.0.attn.qkv.weight"], state["target_encoder"]["blocks.0.attn.qkv.weight"])
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    total = ["run.max_steps=14", "run.checkpoint_every_steps=3"]
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    _run(reference, total)
+
+    cmd = [sys.executable, PRETRAIN, *_args(interrupted, total)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoint = interrupted / "checkpoint.pt"
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if checkpoint.exists() and load_checkpoint(checkpoint)["step"] >= 3:
+                break
+            assert proc.poll() is None, "training exited before it could be killed"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    killed_at = load_checkpoint(checkpoint)
+    assert 3 <= killed_at["step"] < 14 and killed_at["batch_in_epoch"] != 0, "kill should land mid-epoch"
+
+    _run(interrupted, total, resume=True)
+    _assert_same_state(load_checkpoint(reference / "checkpoint.pt"), load_checkpoint(checkpoint))
+
+
+def test_config_errors_are_reported_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, PRETRAIN, *_args(tmp_path, ["optim.not_a_key=1"])],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "optim.not_a_key" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_process_gloo_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", PRETRAIN,
+           *_args(tmp_path, ["run.max_steps=3", "data.batch_size=4"])]
+    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert state["world_size"] == 2 and state["step"] == 3 and len(state["rng"]) == 2
+    # Ranks augment differently (different seeds) but share masks (same mask generator seed).
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+    assert torch.equal(state["rng"][0]["mask"], state["rng"][1]["mask"])
+    # 64 images / (4 per rank * 2 ranks) = 8 steps per epoch; only rank 0 wrote metrics.
+    assert state["steps_per_epoch"] == 8
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3

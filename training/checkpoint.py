@@ -1,0 +1,92 @@
+"""Atomic checkpoints and the RNG state that makes ``--resume`` continue bit-for-bit.
+
+A checkpoint is written to a temporary file in the same directory, fsynced, then renamed over the old one, so a
+crash (or SIGKILL) at any moment leaves either the previous checkpoint or the new one, never half of either.
+Everything stored is plain tensors, numbers, strings, lists and dicts: it loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_FORMAT = "msn-train-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+def atomic_write_bytes(path: str | Path, write: Any) -> None:
+    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, rename it into place, fsync the dir."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    state = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, **state}
+    atomic_write_bytes(path, lambda f: torch.save(state, f))
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not an MSN training checkpoint (no format={CHECKPOINT_FORMAT!r} field)")
+    if state.get("format_version", 0) > CHECKPOINT_VERSION:
+        raise ValueError(f"{path} was written by a newer version (format_version={state['format_version']})")
+    return state
+
+
+def capture_rng_state(mask_generator: torch.Generator | None = None) -> dict[str, Any]:
+    """This process's RNG streams: Python, NumPy, torch CPU, every CUDA device, and the mask generator."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_kind, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    if mask_generator is not None:
+        state["mask"] = mask_generator.get_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], mask_generator: torch.Generator | None = None) -> None:
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    kind, keys, pos, has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, np_gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if mask_generator is not None and "mask" in state:
+        mask_generator.set_state(state["mask"])
+
+
+def file_sha256(path: str | Path, chunk_size: int = 1 << 20) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,243 @@
+"""One config tree for pretraining: dataclasses, filled from YAML, overridden with ``--set key=value``.
+
+Every key has a typed default here, so a YAML file only states what differs from the paper's ViT-S/16 recipe.
+Unknown keys and values of the wrong type are errors that name the key: a typo never silently falls back to a
+default (the official code reads ~40 keys with ad-hoc defaults and ignores the rest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "vit_small"  # vit_tiny | vit_small | vit_base | vit_large | vit_huge
+    patch_size: int = 16
+    image_size: int = 224  # size of the target and (masked) anchor views
+    embed_dim: int | None = None  # overrides of the arch table, for small custom models
+    depth: int | None = None
+    num_heads: int | None = None
+    drop_path_rate: float = 0.0
+    head_hidden_dim: int = 2048
+    head_out_dim: int = 256
+    head_use_bn: bool = True
+    num_prototypes: int = 1024
+
+
+@dataclass
+class DataConfig:
+    source: str = "image_folder"  # image_folder | fashion-mnist | synthetic
+    root: str | None = None
+    subset_file: str | None = None
+    load_size: int = 256  # workers decode + resize to this; random crops are taken on the device
+    batch_size: int = 64  # per process (the official `criterion.batch_size`)
+    num_workers: int = 8
+    pin_memory: bool = True
+    synthetic_size: int = 512
+    mean: list[float] | None = None  # None: the dataset's statistics (ImageNet for folders)
+    std: list[float] | None = None
+    eval_resize: int | None = None  # evaluation/export preprocessing; None: image_size * 256 / 224
+    eval_crop: int | None = None  # None: image_size
+
+
+@dataclass
+class MaskConfig:
+    ratio: float = 0.15  # fraction of the anchor view's patches dropped (official `patch_drop`)
+    shared: bool = True  # one permutation for the whole batch (official) or one per sample
+    num_focal: int = 10
+    focal_size: int = 96
+    rand_crop_scale: list[float] = field(default_factory=lambda: [0.3, 1.0])
+    focal_crop_scale: list[float] = field(default_factory=lambda: [0.05, 0.3])
+    color_jitter_strength: float = 0.5
+    share_target_view: bool = False  # ablation: the anchor is a masked copy of the target view itself
+
+
+@dataclass
+class LossConfig:
+    temperature: float = 0.1
+    sharpen_start: float = 0.25
+    sharpen_end: float = 0.25
+    me_max_weight: float = 1.0
+    entropy_weight: float = 0.0
+    use_sinkhorn: bool = True
+    sinkhorn_iterations: int = 3
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    epochs: int = 800
+    warmup_epochs: float = 15
+    start_lr: float = 2e-4
+    lr: float = 1e-3
+    final_lr: float = 1e-6
+    weight_decay: float = 0.04
+    final_weight_decay: float = 0.4
+    ema_start: float = 0.996
+    ema_end: float = 1.0
+    horizon_scale: float = 1.25  # schedules span 1.25x the run, as the official code
+    clip_grad: float = 3.0  # on the encoder and head; prototypes are not clipped (official)
+    fused: bool | None = None  # fused AdamW; None: on when CUDA
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    compile: bool = False
+    max_steps: int | None = None  # stop after this many optimiser steps (smoke tests, benchmarks)
+    checkpoint_every_steps: int = 500
+    keep_epoch_checkpoints: int = 0  # also keep checkpoint-epNNN.pt every N epochs (0: only the latest)
+    log_every_steps: int = 10
+    tensorboard: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mask: MaskConfig = field(default_factory=MaskConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """A config file or override that names an unknown key or holds a value of the wrong type."""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file, then ``key=value`` overrides (values parsed as YAML scalars/lists)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        _set_nested(raw, key.strip().split("."), yaml.safe_load(value))
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Rebuild a Config from ``Config.to_dict()`` output (e.g. the copy stored in a checkpoint)."""
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    m, mask, data = cfg.model, cfg.mask, cfg.data
+    if m.image_size % m.patch_size:
+        raise ConfigError(f"model.image_size={m.image_size} is not a multiple of model.patch_size={m.patch_size}")
+    if mask.num_focal and mask.focal_size % m.patch_size:
+        raise ConfigError(f"mask.focal_size={mask.focal_size} is not a multiple of model.patch_size={m.patch_size}")
+    if not 0.0 <= mask.ratio < 1.0:
+        raise ConfigError(f"mask.ratio={mask.ratio} must be in [0, 1)")
+    if data.source not in ("image_folder", "fashion-mnist", "synthetic"):
+        raise ConfigError(f"data.source={data.source!r}: expected image_folder, fashion-mnist or synthetic")
+    if data.source == "image_folder" and not data.root:
+        raise ConfigError("data.root is required when data.source=image_folder")
+    if cfg.run.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"run.precision={cfg.run.precision!r}: expected auto, fp32 or bf16")
+    if cfg.run.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"run.device={cfg.run.device!r}: expected auto, cpu or cuda")
+    for name in ("rand_crop_scale", "focal_crop_scale"):
+        lo_hi = getattr(mask, name)
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] <= 1:
+            raise ConfigError(f"mask.{name}={lo_hi} must be [low, high] with 0 < low <= high <= 1")
+    if data.batch_size < 2:
+        raise ConfigError("data.batch_size must be at least 2 (batch norm in the projection head)")
+
+
+def _set_nested(raw: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = raw
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s} (valid keys: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, prefix=f"{key}.")
+        else:
+            kwargs[name] = _coerce(value, hint, key)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r}: expected {hint}")
+    if origin is list:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r}: expected a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected a string")
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

@@ -1,0 +1,144 @@
+"""Process-group setup and the few collectives MSN needs.
+
+Everything here degrades to a no-op in a single process, so the loss and the training loop have one code path.
+Launch with ``torchrun``; the official code's SLURM/``mp.spawn`` setup is not reproduced.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "DistInfo",
+    "all_reduce_mean",
+    "all_reduce_sum_",
+    "barrier",
+    "cleanup",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_distributed",
+    "is_main_process",
+]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job. ``backend`` is None when no process group was created."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+
+def _resolve_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' requested but CUDA is not available")
+        # One GPU per process: torchrun's LOCAL_RANK picks it.
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
+
+    Without that environment, or with WORLD_SIZE=1, this is a single process and no group is created.
+    The backend is NCCL on CUDA and Gloo on CPU (``device="cpu"`` forces Gloo even when GPUs exist).
+    Calling it again once a group exists returns the existing group's info.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch_device = _resolve_device(device, local_rank)
+
+    if is_distributed():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, torch_device, dist.get_backend())
+    if world_size == 1:
+        return DistInfo(0, 1, local_rank, torch_device, None)
+
+    backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        device_id=torch_device if torch_device.type == "cuda" else None,
+    )
+    return DistInfo(rank, world_size, local_rank, torch_device, backend)
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is active."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """Rank 0 writes checkpoints, logs and exports."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def cleanup() -> None:
+    """Destroy the process group, if any (safe to call in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _AllReduceMean(torch.autograd.Function):
+    """Mean over ranks forward, identity backward.
+
+    Every rank adds the same reduced value to its loss and DDP averages the gradients, so passing the gradient
+    through unchanged yields exactly the gradient of the global quantity (as the official ``AllReduce``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        x = x.contiguous() / dist.get_world_size()  # a new tensor: the input is never modified
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad
+
+
+def all_reduce_mean(x: Tensor) -> Tensor:
+    """Autograd-aware mean of ``x`` over ranks (forward: mean, backward: identity); no-op in one process."""
+    return _AllReduceMean.apply(x) if is_distributed() else x
+
+
+@torch.no_grad()
+def all_reduce_sum_(x: Tensor) -> Tensor:
+    """Sum ``x`` over ranks in place, without autograd (Sinkhorn sums, prototype-gradient sums). Returns ``x``."""
+    if is_distributed():
+        if x.is_contiguous():
+            dist.all_reduce(x)
+        else:
+            buf = x.contiguous()
+            dist.all_reduce(buf)
+            x.copy_(buf)
+    return x

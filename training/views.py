@@ -1,0 +1,115 @@
+"""MSN multi-view augmentation, batched on the training device with kornia, and the evaluation preprocessing.
+
+Every view follows the official (SimCLR) recipe: RandomResizedCrop (ratio 3/4-4/3), horizontal flip, colour jitter
+(0.8s, 0.8s, 0.8s, 0.2s) with p=0.8, grayscale with p=0.2, Gaussian blur with p=0.5 and sigma U[0.1, 2.0],
+normalisation. Random parameters are independent per sample and per view.
+
+Each view group is one kornia call over a repeated batch (2B for target+anchor, ``num_focal``*B for the focal views),
+so the cost is a handful of batched kernels whatever the batch size. Crops use ``cropping_mode="resample"`` (one
+batched ``grid_sample``) instead of kornia's default slicing, which loops over samples in Python and syncs with the
+host. Kornia draws its random parameters from torch's default CPU generator; saving and restoring
+``torch.get_rng_state()`` reproduces the views exactly on any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import kornia.augmentation as K
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def blur_kernel_size(view_size: int) -> int:
+    """Odd Gaussian kernel of about 10 % of the view (SimCLR), at least 3."""
+    size = max(3, round(0.1 * view_size))
+    return size if size % 2 == 1 else size + 1
+
+
+def _view_pipeline(size: int, crop_scale: Sequence[float], *, color_jitter_strength: float, grayscale_p: float,
+                   blur_p: float, blur_sigma: Sequence[float], flip_p: float, mean: Sequence[float],
+                   std: Sequence[float]) -> K.AugmentationSequential:
+    s = color_jitter_strength
+    return K.AugmentationSequential(
+        K.RandomResizedCrop((size, size), scale=tuple(crop_scale), ratio=(3 / 4, 4 / 3), cropping_mode="resample"),
+        K.RandomHorizontalFlip(p=flip_p),
+        K.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s, p=0.8),
+        K.RandomGrayscale(p=grayscale_p),
+        K.RandomGaussianBlur(blur_kernel_size(size), tuple(blur_sigma), p=blur_p),
+        K.Normalize(mean=torch.tensor(mean), std=torch.tensor(std)),
+    )
+
+
+class MultiViewAugment(nn.Module):
+    """uint8 images -> (target, anchor, focal) normalised float32 views for one MSN step.
+
+    ``target`` and ``anchor`` are independent ``rand_size`` crops of each image; ``focal`` holds ``num_focal`` small
+    ``focal_size`` crops per image in view-major order: focal view ``j`` of image ``b`` is row ``j * B + b``, so
+    ``focal.view(num_focal, B, ...)`` separates the views.
+    """
+
+    def __init__(self, *, rand_size: int, focal_size: int, num_focal: int,
+                 rand_crop_scale: Sequence[float] = (0.3, 1.0), focal_crop_scale: Sequence[float] = (0.05, 0.3),
+                 color_jitter_strength: float = 0.5, grayscale_p: float = 0.2, blur_p: float = 0.5,
+                 blur_sigma: Sequence[float] = (0.1, 2.0), flip_p: float = 0.5,
+                 mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__()
+        if num_focal < 0:
+            raise ValueError(f"num_focal must be >= 0, got {num_focal}")
+        if len(mean) != 3 or len(std) != 3:
+            raise ValueError("mean and std need one value per RGB channel")
+        pipeline = partial(_view_pipeline, color_jitter_strength=color_jitter_strength, grayscale_p=grayscale_p,
+                           blur_p=blur_p, blur_sigma=blur_sigma, flip_p=flip_p, mean=mean, std=std)
+        self.num_focal = num_focal
+        self.focal_size = focal_size
+        self.rand_views = pipeline(rand_size, rand_crop_scale)
+        self.focal_views = pipeline(focal_size, focal_crop_scale)
+
+    @torch.no_grad()
+    def forward(self, images_uint8: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(target (B,3,R,R), anchor (B,3,R,R), focal (num_focal*B,3,F,F) view-major), float32.
+
+        Move the uint8 batch to the training device before calling: the views are built where the input lives.
+        """
+        if images_uint8.dtype != torch.uint8 or images_uint8.dim() != 4 or images_uint8.shape[1] != 3:
+            raise ValueError(f"expected uint8 (B, 3, H, W) images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
+        batch = images_uint8.shape[0]
+        images = images_uint8.float().div_(255.0)
+        target, anchor = self.rand_views(images.repeat(2, 1, 1, 1)).split(batch)
+        if self.num_focal > 0:
+            focal = self.focal_views(images.repeat(self.num_focal, 1, 1, 1))
+        else:
+            focal = images.new_empty(0, 3, self.focal_size, self.focal_size)
+        return target, anchor, focal
+
+
+def eval_transform(images_uint8: Tensor, *, resize: int, crop: int, mean: Sequence[float],
+                   std: Sequence[float]) -> Tensor:
+    """Evaluation / export preprocessing: resize the shorter side, centre-crop, normalise.
+
+    Matches the Pillow pipeline that serving runs, to within one grey level before normalisation:
+
+    1. ``image.resize((round(w * resize / min(h, w)), round(h * resize / min(h, w))), Image.BICUBIC)``;
+       torch's antialiased bicubic is Pillow's filter (a = -0.5 with support scaled on downsampling);
+       the result is rounded to uint8 as Pillow does.
+    2. crop ``crop`` x ``crop`` at offset ``((H - crop) // 2, (W - crop) // 2)``;
+    3. ``(x / 255 - mean) / std``.
+    """
+    if images_uint8.dtype != torch.uint8 or images_uint8.dim() != 4:
+        raise ValueError(f"expected uint8 (B, C, H, W) images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
+    height, width = images_uint8.shape[-2:]
+    if crop > resize:
+        raise ValueError(f"crop {crop} is larger than the resized shorter side {resize}")
+    scale = resize / min(height, width)
+    new_h, new_w = max(resize, round(height * scale)), max(resize, round(width * scale))
+    x = images_uint8.float()
+    if (new_h, new_w) != (height, width):
+        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+        x = x.round_().clamp_(0, 255)
+    top, left = (new_h - crop) // 2, (new_w - crop) // 2
+    x = x[..., top : top + crop, left : left + crop].div_(255.0)
+    mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return ((x - mean_t) / std_t).contiguous()
