@@ -174,7 +174,7 @@ class Batcher:
                     await self._run_group(group)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the worker must outlive any bug in one batch
+            except Exception:
                 log.exception("batcher loop error")
                 self.metrics.errors.labels("batcher").inc()
 

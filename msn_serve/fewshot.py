@@ -92,8 +92,8 @@ def fit(name: str, x: np.ndarray, labels: list[str], *, lambd: float, threads: i
     y = np.array([classes.index(lbl) for lbl in labels], dtype=np.int64)
     n = xn.shape[0]
     t0 = time.perf_counter()
-    common = dict(penalty="l2", lambda_1=lambd / n, fit_intercept=False, tol=tol, max_iter=max_iter,
-                  n_threads=threads, random_state=0, verbose=False)
+    common = {"penalty": "l2", "lambda_1": lambd / n, "fit_intercept": False, "tol": tol, "max_iter": max_iter,
+              "n_threads": threads, "random_state": 0, "verbose": False}
     if len(classes) == 2:
         clf = Classifier(loss="logistic", **common)
         clf.fit(xn, np.where(y == 1, 1, -1))

@@ -330,7 +330,7 @@ class IndexStore:
         for idx in self.indexes.values():
             try:
                 idx.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("closing index %s", idx.path.name)
 
 

@@ -129,7 +129,7 @@ async def read_payload(request: Request, *, max_images: int, max_body: int) -> P
             form = await request.form(max_files=max_images, max_fields=64, max_part_size=max_body)
         except ApiError:
             raise
-        except Exception as e:  # starlette raises MultiPartException / HTTPException for malformed bodies
+        except Exception as e:  # noqa: BLE001 - starlette raises MultiPartException / HTTPException for malformed bodies
             msg = getattr(e, "detail", None) or getattr(e, "message", None) or str(e)
             if "Too many files" in str(msg):
                 raise ApiError(413, f"too many files: at most {max_images} images per request") from None

@@ -66,7 +66,7 @@ def _ratio(spec: dict, grid: int, n: int) -> np.ndarray:
     seed = spec.get("seed")
     if seed is not None and (not _is_int(seed) or seed < 0):
         raise unprocessable(f"mask.seed: expected a non-negative integer, got {seed!r}")
-    keep = n - int(round(r * n))
+    keep = n - round(r * n)
     if keep < 1:
         raise unprocessable(f"mask.ratio: {r} keeps no patch of the {grid}x{grid} grid")
     rng = np.random.default_rng(seed)

@@ -42,8 +42,8 @@ def _doc(fields: dict[str, tuple[dict, str]], files: bool = True) -> dict[str, A
         "application/json": {"schema": {"type": "object", "properties": json_props}}}}}
 
 
-MASK_DOC = ({"type": "object"}, 'mask: {"ratio": 0.7, "seed": 1} | {"focal": {"size": [4, 4]}} | '
-            '{"keep_idx": [...]} | {"bitmap": [[0/1]]} (1 = kept); or one per image (list)')
+MASK_DOC = ({"type": "object"}, ('mask: {"ratio": 0.7, "seed": 1} | {"focal": {"size": [4, 4]}} | '
+                                 '{"keep_idx": [...]} | {"bitmap": [[0/1]]} (1 = kept); or one per image (list)'))
 
 
 def _query_into(request: Request, payload: Payload, key: str) -> None:
@@ -70,7 +70,6 @@ async def _features(svc: Service, payload: Payload, field: str) -> np.ndarray:
     if vecs is not None and payload.images:
         raise unprocessable(f"send either images or {field}, not both")
     if vecs is not None:
-        svc.check_count(len(vecs))
         return vecs
     emb, _ = await svc.embed_payload(payload)
     return emb
@@ -174,7 +173,6 @@ async def _vectors(svc: Service, payload: Payload, dim: int) -> np.ndarray:
     if vecs is not None and payload.images:
         raise unprocessable("send either images or vectors, not both")
     if vecs is not None:
-        svc.check_count(len(vecs))
         return vecs
     if dim != svc.info.embed_dim:
         raise unprocessable(f"index dimension {dim} differs from the model's {svc.info.embed_dim}: send vectors")

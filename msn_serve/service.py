@@ -62,7 +62,7 @@ class Service:
         t0 = time.perf_counter()
         try:
             n = await asyncio.get_running_loop().run_in_executor(self.work_pool, self.batcher.warmup)
-        except Exception as e:  # noqa: BLE001 - surfaced by /readyz instead of killing the process
+        except Exception as e:
             log.exception("warm-up failed")
             self.warmup_error = repr(e)
             return

@@ -57,6 +57,8 @@ def test_bad_arguments_exit():
         main(["lowshot", "--bundle", "b", "--data", "synthetic", "--shots", "0"])
     with pytest.raises(SystemExit):
         main(["nonsense"])
+    with pytest.raises(SystemExit, match="not an MSN bundle|msn.json"):
+        main(["knn", "--bundle", "/nonexistent", "--data", "synthetic"])
 
 
 def test_format_table():

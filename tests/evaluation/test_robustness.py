@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from training.evaluation.features import extract_features
-from training.evaluation.robustness import cosine_similarities, masked_lowshot, similarity_by_ratio
 from training.evaluation.lowshot import summarize
+from training.evaluation.robustness import cosine_similarities, masked_lowshot, similarity_by_ratio
 
 PREPROCESSING = {"resize": 8, "crop": 8, "mean": [0.5] * 3, "std": [0.25] * 3}
 

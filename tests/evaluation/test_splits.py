@@ -61,9 +61,9 @@ def test_class_balanced_indices_deterministic_and_validated():
 class _Folder:
     """Stands in for ImageFolderDataset: samples and class_to_idx."""
 
-    classes = ["n01", "n02"]
-    class_to_idx = {"n01": 0, "n02": 1}
-    samples = [("n01/n01_1.JPEG", 0), ("n01/n01_2.JPEG", 0), ("n02/n02_7.JPEG", 1)]
+    def __init__(self) -> None:
+        self.class_to_idx = {"n01": 0, "n02": 1}
+        self.samples = [("n01/n01_1.JPEG", 0), ("n01/n01_2.JPEG", 0), ("n02/n02_7.JPEG", 1)]
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from serve_helpers import PREPROCESSING, encode, random_image
 
 from msn_serve.bundle import load_bundle
 from msn_serve.errors import ApiError
@@ -15,8 +16,6 @@ from msn_serve.indexes import IndexStore
 from msn_serve.masks import resolve_mask, resolve_masks
 from msn_serve.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
 from msn_serve.storage import WriteAheadLog
-
-from serve_helpers import PREPROCESSING, encode, random_image
 
 
 # ---- preprocessing -----------------------------------------------------------------------------------------------
@@ -175,3 +174,28 @@ def test_bundle_metadata_is_what_export_wrote(bundle_dir: Path):
     info = load_bundle(bundle_dir)
     raw = json.loads((bundle_dir / "msn.json").read_text())
     assert info.model_id == raw["model_id"] and info.grid == 8 and info.embed_dim == 64
+
+
+def test_serving_never_imports_torch_or_training(bundle_dir: Path, tmp_path: Path):
+    """``pip install .[serve]`` has no torch: every serving module must import and build the app without it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import importlib, pkgutil, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'training', 'torchvision', 'visualizer'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+import msn_serve
+for m in pkgutil.iter_modules(msn_serve.__path__):
+    if m.name != '__main__':
+        importlib.import_module('msn_serve.' + m.name)
+from msn_serve.app import create_app
+from msn_serve.config import Settings
+app = create_app(Settings(bundle={str(bundle_dir)!r}, data_dir={str(tmp_path)!r}))
+print('ok', len(app.routes))
+"""
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]

@@ -54,7 +54,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 
 
 def test_single_process_run_writes_checkpoint_and_metrics(tmp_path):
-    _run(tmp_path, ["run.max_steps=4"])
+    _run(tmp_path, ["run.max_steps=4", "run.tensorboard=true"])
     state = load_checkpoint(tmp_path / "checkpoint.pt")
     assert state["step"] == 4 and state["world_size"] == 1
     assert state["encoder_kwargs"]["embed_dim"] == 32 and state["preprocessing"]["crop"] == 16
@@ -62,6 +62,7 @@ def test_single_process_run_writes_checkpoint_and_metrics(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["loss"] == r["loss"] and r["prototype_usage_entropy"] > 0 for r in records)
     assert (tmp_path / "config.yaml").exists()
+    assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     # The online and target encoders move apart (EMA) and prototypes are trained.
     assert not torch.equal(state["encoder"]["blocks.0.attn.qkv.weight"], state["target_encoder"]["blocks.0.attn.qkv.weight"])
 

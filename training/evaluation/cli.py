@@ -284,8 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    ctx = make_context(args)
-    rows = COMMANDS[args.command](ctx)
+    try:
+        ctx = make_context(args)
+        rows = COMMANDS[args.command](ctx)
+    except (FileNotFoundError, ValueError, IndexError, KeyError) as error:
+        raise SystemExit(f"msn-eval {args.command}: error: {error}") from None
     elapsed = time.perf_counter() - start
     print(format_table(rows))
     print(f"{args.command}: {args.bundle} on {args.data} ({args.backend}, {ctx.embedder.feature}) "

@@ -146,7 +146,7 @@ def load_embedder(bundle_dir: str | os.PathLike, backend: str = "onnx", *, featu
 # ------------------------------------------------------------------------------------------------- identity
 
 
-def _sha256_file(path: Path, digest: hashlib._Hash) -> None:
+def _sha256_file(path: Path, digest) -> None:
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)

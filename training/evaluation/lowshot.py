@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_LAMBD",
     "LAMBD_SWEEP",
+    "LinearModel",
     "LowShotResult",
     "center_and_normalize",
     "fit_logistic",

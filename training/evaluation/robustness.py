@@ -14,8 +14,13 @@ import numpy as np
 
 from training.evaluation.lowshot import DEFAULT_LAMBD, LowShotResult, summarize
 
-__all__ = ["DEFAULT_RATIOS", "cosine_similarities", "mean_cosine_similarity", "masked_lowshot",
-           "similarity_by_ratio"]
+__all__ = [
+    "DEFAULT_RATIOS",
+    "cosine_similarities",
+    "masked_lowshot",
+    "mean_cosine_similarity",
+    "similarity_by_ratio",
+]
 
 DEFAULT_RATIOS: tuple[float, ...] = (0.15, 0.3, 0.5, 0.7, 0.9)
 
