@@ -119,6 +119,9 @@ class Batcher:
     # ---- request side ----------------------------------------------------------------------------------------
     def submit(self, items: list[tuple[np.ndarray, np.ndarray]]) -> list[asyncio.Future]:
         """Enqueue all images of one request, or none of them (503 when the queue cannot take them all)."""
+        if len(items) > self.queue_size:
+            raise ApiError(413, f"{len(items)} images exceed the inference queue size {self.queue_size}; "
+                                "send fewer per request")
         if len(self._queue) + len(items) > self.queue_size:
             self.metrics.errors.labels("queue_full").inc()
             backlog = (len(self._queue) / self.max_batch_size + 1) * self._avg_batch_s

@@ -149,6 +149,9 @@ class Engine:
                             "(install onnxruntime-gpu); falling back to CPU")
         self.model_path = model_path
         self.session = ort.InferenceSession(str(model_path), sess_options=so, providers=providers)
+        if model_path != info.path / "model.onnx" and not self._fp16_close_enough(so):
+            self.model_path = info.path / "model.onnx"
+            self.session = ort.InferenceSession(str(self.model_path), sess_options=so, providers=providers)
         names = {i.name: i for i in self.session.get_inputs()}
         if "pixel_values" not in names:
             raise BundleError(f"{model_path}: graph has no 'pixel_values' input (has {sorted(names)})")
@@ -158,6 +161,25 @@ class Engine:
         self.output_name = "embedding" if "embedding" in outs else outs[0]
         log.info("ONNX Runtime %s session on %s (%s); keep_idx=%s keep_mask=%s", ort.__version__, self.device,
                  self.session.get_providers()[0], self.has_keep_idx, self.has_keep_mask)
+
+    def _fp16_close_enough(self, so: ort.SessionOptions, min_cosine: float = 0.999) -> bool:
+        """Accuracy gate for the fp16 graph: cosine >= ``min_cosine`` against fp32 on CPU for random inputs."""
+        i = self.info
+        ref = ort.InferenceSession(str(i.path / "model.onnx"), sess_options=so, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        feeds = {"pixel_values": rng.standard_normal((4, i.in_chans, i.image_size, i.image_size)).astype(np.float32)}
+        names = {x.name for x in ref.get_inputs()}
+        if "keep_idx" in names:
+            feeds["keep_idx"] = np.stack([np.sort(rng.permutation(i.num_patches)) for _ in range(4)]).astype(np.int64)
+        if "keep_mask" in names:
+            feeds["keep_mask"] = np.ones((4, i.num_patches), dtype=bool)
+        a = np.asarray(ref.run(None, feeds)[0], dtype=np.float64)
+        b = np.asarray(self.session.run(None, feeds)[0], dtype=np.float64)
+        cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+        ok = bool(np.isfinite(b).all() and cos.min() >= min_cosine)
+        log.log(logging.INFO if ok else logging.WARNING, "fp16 graph: min cosine %.6f vs fp32 -> %s",
+                float(cos.min()), "using fp16" if ok else "falling back to fp32")
+        return ok
 
     def run(self, pixels: np.ndarray, keep_idx: np.ndarray, keep_mask: np.ndarray | None = None) -> np.ndarray:
         """Embed a batch: ``pixels`` (B,C,H,W) float32, ``keep_idx`` (B,K) int64, ``keep_mask`` (B,K) bool."""

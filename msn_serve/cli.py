@@ -22,7 +22,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("queue-size", int, "images allowed to wait; beyond that requests get 503 + Retry-After"),
     ("max-body-mb", float, "request body limit (413 beyond)"),
     ("max-image-pixels", int, "decoded width*height limit per image (413 beyond)"),
-    ("max-images-per-request", int, "images/vectors per request (413 beyond)"),
+    ("max-images-per-request", int, "images per request (413 beyond)"),
     ("intra-op-threads", int, "ONNX Runtime intra-op threads (0 = cores)"),
     ("log-level", str, "debug, info, warning, error"),
 ]
@@ -33,7 +33,8 @@ def parse_args(argv: Sequence[str] | None) -> dict:
                                 "classifiers, FAISS search, Open Inference Protocol. Every flag can also be "
                                 "set as MSN_SERVE_<NAME> (e.g. MSN_SERVE_MAX_BATCH_SIZE=64).")
     for name, typ, help_ in FLAGS:
-        p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_)
+        extra = {"choices": ["cpu", "cuda"]} if name == "device" else {}
+        p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_, **extra)
     p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,
                    help="on CUDA, serve the fp32 graph")
     return {k: v for k, v in vars(p.parse_args(argv)).items()}
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     print(f"msn-serve settings: {settings.banner()}", file=sys.stderr, flush=True)
 
     import uvicorn

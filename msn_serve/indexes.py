@@ -22,8 +22,8 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
-from .errors import ApiError, conflict, not_found, unprocessable
-from .storage import WriteAheadLog, atomic_write, quarantine, remove_durably
+from .errors import conflict, not_found, unprocessable
+from .storage import WriteAheadLog, atomic_write, fsync_dir, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1
@@ -84,6 +84,7 @@ class ManagedIndex:
         self.path, self.cfg, self.index, self.metadata, self.seq = path, cfg, index, metadata, seq
         self.lock = threading.RLock()
         self.ids = ids
+        self.closed = False
         self.wal = WriteAheadLog(path / "wal.log")
         self.created = time.time()
 
@@ -92,7 +93,10 @@ class ManagedIndex:
     def create(cls, path: Path, cfg: IndexConfig) -> ManagedIndex:
         path.mkdir(parents=True, exist_ok=False)
         atomic_write(path / "config.json", json.dumps(asdict(cfg), indent=1).encode())
-        return cls(path, cfg, _build(cfg), {}, 0, set())
+        obj = cls(path, cfg, _build(cfg), {}, 0, set())  # creates wal.log
+        fsync_dir(path)
+        fsync_dir(path.parent)  # the new index directory itself must survive a crash
+        return obj
 
     @classmethod
     def load(cls, path: Path, data_dir: Path) -> ManagedIndex:
@@ -143,9 +147,17 @@ class ManagedIndex:
 
     def close(self) -> None:
         with self.lock:
+            if self.closed:
+                return
             if self.wal.size():
                 self.snapshot()
             self.wal.close()
+            self.closed = True
+
+    def _check_open(self) -> None:
+        """Called under ``lock``: a request that waited while the index was dropped gets a 404, not a crash."""
+        if self.closed:
+            raise not_found(f"index {self.path.name!r} was deleted")
 
     # ---- mutations --------------------------------------------------------------------------------------------
     def _prepare(self, vecs: np.ndarray) -> np.ndarray:
@@ -186,6 +198,7 @@ class ManagedIndex:
         if metadata is not None and (not isinstance(metadata, list) or len(metadata) != arr.size):
             raise unprocessable("metadata must be a JSON list with one entry (or null) per id")
         with self.lock:
+            self._check_open()
             dup = sorted(set(arr.tolist()) & self.ids)
             if dup:
                 raise conflict(f"ids already in the index (delete them first): {dup[:10]}")
@@ -209,6 +222,7 @@ class ManagedIndex:
         if self.cfg.type == "hnsw":
             raise conflict("hnsw indexes cannot delete vectors (FAISS limitation); use a flat or ivf index")
         with self.lock:
+            self._check_open()
             present = np.array([i for i in arr.tolist() if i in self.ids], dtype=np.int64)
             missing = sorted(set(arr.tolist()) - set(present.tolist()))
             if present.size:
@@ -233,6 +247,7 @@ class ManagedIndex:
         elif self.cfg.type == "hnsw":
             params = faiss.SearchParametersHNSW(efSearch=int(max(ef_search or self.cfg.ef_search, k)))
         with self.lock:
+            self._check_open()
             if self.index.ntotal == 0:
                 return [[] for _ in range(q.shape[0])]
             dist, labels = self.index.search(q, int(k), params=params)
@@ -323,6 +338,7 @@ class IndexStore:
             idx = self.get(name)
             with idx.lock:
                 idx.wal.close()
+                idx.closed = True
                 remove_durably(idx.path)
             del self.indexes[name]
 
@@ -364,6 +380,3 @@ def _config_from(spec: dict[str, Any], default_dim: int, model_id: str) -> Index
 def recommended_nlist(n: int) -> int:
     """4*sqrt(n) rounded to a power of two (the autofaiss rule of thumb), for docs and benchmarks."""
     return 1 << max(0, round(math.log2(max(1.0, 4 * math.sqrt(n)))))
-
-
-__all__ = ["ApiError", "IndexConfig", "IndexStore", "ManagedIndex", "recommended_nlist"]

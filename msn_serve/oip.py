@@ -86,6 +86,24 @@ async def model_metadata(model: str, request: Request, ver: str | None = None) -
                            "preprocessing": i.raw.get("preprocessing")}}
 
 
+@router.get("/models/{model}/config")
+@router.get("/models/{model}/versions/{ver}/config")
+async def model_config(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
+    """Triton's model-configuration extension (read by perf_analyzer): dims exclude the batch dimension."""
+    svc = _model(request, model)
+    i, s = svc.info, svc.settings
+    return {"name": i.model_id, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+            "max_batch_size": s.max_images_per_request,
+            "input": [{"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [i.in_chans, i.image_size,
+                                                                                 i.image_size]},
+                      {"name": "keep_idx", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+                      {"name": "keep_mask", "data_type": "TYPE_BOOL", "dims": [-1], "optional": True}],
+            "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [i.embed_dim]}],
+            "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
+                                 "preferred_batch_size": [s.max_batch_size]},
+            "instance_group": [{"count": 1, "kind": "KIND_GPU" if svc.engine.device == "cuda" else "KIND_CPU"}]}
+
+
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body

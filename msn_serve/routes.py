@@ -55,13 +55,14 @@ def _query_into(request: Request, payload: Payload, key: str) -> None:
 # ---- embeddings -------------------------------------------------------------------------------------------------
 @router.post("/embed", tags=["embeddings"], openapi_extra=_doc({
     "mask": MASK_DOC, "normalize": ({"type": "boolean"}, "L2-normalise the embeddings (default false)")}))
-async def embed(request: Request) -> dict[str, Any]:
+async def embed(request: Request) -> JSONResponse:
     """Embed one or many images (optionally masked); returns ``embeddings`` (n, dim)."""
     svc, payload = await _payload(request)
     normalize = payload.boolean("normalize", False)
     emb, kept = await svc.embed_payload(payload, normalize=normalize)
-    return {"model_id": svc.info.model_id, "dim": svc.info.embed_dim, "count": len(kept),
-            "normalized": normalize, "kept_tokens": kept, "embeddings": emb.tolist()}
+    # A JSONResponse skips FastAPI's response-model pass over thousands of floats on the hot path.
+    return JSONResponse({"model_id": svc.info.model_id, "dim": svc.info.embed_dim, "count": len(kept),
+                         "normalized": normalize, "kept_tokens": kept, "embeddings": emb.tolist()})
 
 
 # ---- few-shot classifiers ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .inputs import Payload
 from .masks import resolve_masks
 from .metrics import Metrics
 from .preprocess import preprocess_bytes
-from .storage import clean_temp_files
+from .storage import clean_temp_files, lock_data_dir
 
 log = logging.getLogger("msn_serve")
 
@@ -35,6 +35,7 @@ class Service:
         self.info: BundleInfo = load_bundle(settings.bundle)
         self.api_key = settings.resolved_api_key()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = lock_data_dir(settings.data_dir)
         self.engine = Engine(self.info, device=settings.device, intra_op_threads=settings.intra_op_threads,
                              fp16=settings.fp16, cache_dir=settings.data_dir / "cache")
         self.batcher: Batcher | None = None

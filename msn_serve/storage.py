@@ -13,7 +13,6 @@ import shutil
 import struct
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("msn_serve.storage")
@@ -75,8 +74,23 @@ def quarantine(data_dir: Path, path: Path, reason: str) -> Path:
     return dest
 
 
-class WalCorrupt(Exception):
-    """A complete WAL record failed its checksum (not just a torn tail)."""
+def lock_data_dir(data_dir: Path) -> int:
+    """Take an exclusive ``flock`` on ``<data-dir>/.lock`` for the life of the process.
+
+    Two servers appending to the same WAL would corrupt it; the kernel drops the lock when the process dies
+    (even on ``kill -9``), so there is no stale lock to clean up.
+    """
+    import fcntl
+
+    fd = os.open(data_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(f"data directory {data_dir} is in use by another msn-serve process") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
 
 class WriteAheadLog:
@@ -127,6 +141,3 @@ class WriteAheadLog:
 
     def close(self) -> None:
         self._f.close()
-
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:  # pragma: no cover - convenience
-        return iter(self.read(self.path)[0])

@@ -199,3 +199,21 @@ print('ok', len(app.routes))
 """
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
+def test_fp16_variant_for_cuda_is_accurate_and_cuda_falls_back_to_cpu(bundle_dir: Path, tmp_path: Path):
+    """The CUDA path's fp16 conversion can be checked on CPU (ORT has fp16 CPU kernels); the GPU run itself
+    needs onnxruntime-gpu and a GPU."""
+    import onnxruntime as ort
+
+    from msn_serve.bundle import Engine, _fp16_variant
+
+    info = load_bundle(bundle_dir)
+    path = _fp16_variant(bundle_dir / "model.onnx", tmp_path)
+    assert path.name == "model.fp16.onnx"
+    eng = Engine(info, intra_op_threads=1)
+    eng.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert eng._fp16_close_enough(ort.SessionOptions())
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        fallback = Engine(info, device="cuda", intra_op_threads=1, cache_dir=tmp_path)
+        assert fallback.device == "cpu"

@@ -1,0 +1,322 @@
+"""Serving benchmark: ORT vs torch eager, HTTP latency/throughput under concurrency, masks, FAISS.
+
+Prints a table and writes JSON (machine facts included). Runs against a real ``msn-serve`` subprocess on loopback.
+
+    python benchmarks/serve_bench.py --bundle bundles/demo --out benchmarks/results/serve_bench.json
+    python benchmarks/serve_bench.py --quick            # tiny random bundle, seconds; proves the harness works
+
+Sections: (1) ORT vs torch eager on the same bundle and batch at equal thread budgets; (2) single-image clients at
+1/16/64 concurrency vs offline batched throughput (decode + preprocess + ORT in-process, the server's ceiling);
+(3) mixed mask ratios; (4) FAISS add/search QPS and recall@10 (flat exact = ground truth, IVF, HNSW) at 1e5 and
+1e6 vectors (1e6 skipped with --quick or if memory is short).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    gpu = None
+    if shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, check=False)
+        gpu = r.stdout.strip() or None
+    import faiss
+    import onnxruntime as ort
+    return {"cpu": cpu, "cores_visible": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "memory_bytes": mem, "gpu": gpu, "python": platform.python_version(), "onnxruntime": ort.__version__,
+            "ort_providers": ort.get_available_providers(), "faiss": faiss.__version__, "platform": platform.platform()}
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def tiny_bundle(out: Path) -> Path:
+    import torch
+
+    from training.export import export_bundle
+    from training.vit import VisionTransformer
+    torch.manual_seed(0)
+    enc = VisionTransformer(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4)
+    export_bundle(enc, out, arch="vit_tiny", parity_check=False,
+                  preprocessing={"resize": 36, "crop": 32, "mean": [0.5] * 3, "std": [0.5] * 3, "channels": 3,
+                                 "interpolation": "bicubic"})
+    return out
+
+
+def test_images(n: int, seed: int = 0) -> list[bytes]:
+    import io
+
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        arr = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr).resize((320, 240)).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+# ---- (1) ORT vs torch eager -------------------------------------------------------------------------------------------
+def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
+    import torch
+
+    from msn_serve.bundle import Engine, load_bundle
+    from training.export import load_bundle as load_torch
+    info = load_bundle(bundle)
+    eng = Engine(info, intra_op_threads=threads)
+    enc, _ = load_torch(bundle)
+    enc.eval()
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    px = rng.standard_normal((batch, info.in_chans, info.image_size, info.image_size)).astype(np.float32)
+    keep = np.tile(np.arange(info.num_patches, dtype=np.int64), (batch, 1))
+    mask = np.ones_like(keep, dtype=bool)
+    tpx, tkeep, tmask = torch.from_numpy(px), torch.from_numpy(keep), torch.from_numpy(mask)
+
+    def run_torch():
+        with torch.inference_mode():
+            return enc(tpx, tkeep, tmask)
+
+    def timeit(fn) -> list[float]:
+        fn()
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return ts
+
+    t_ort = timeit(lambda: eng.run(px, keep, mask))
+    t_torch = timeit(run_torch)
+    from training.export import FEATURES
+    out_t = run_torch()[FEATURES.index(info.feature)].numpy()  # the same feature the ONNX graph returns
+    diff = float(np.abs(eng.run(px, keep, mask) - out_t).max())
+    return {"batch": batch, "threads": threads, "tokens": info.num_patches, "ort_ms_p50": 1e3 * pct(t_ort, 50),
+            "torch_eager_ms_p50": 1e3 * pct(t_torch, 50), "speedup_ort_over_torch": pct(t_torch, 50) / pct(t_ort, 50),
+            "max_abs_diff": diff}
+
+
+# ---- (2)+(3) HTTP ---------------------------------------------------------------------------------------------------------
+def start_server(bundle: Path, data: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "msn_serve", "--bundle", str(bundle), "--data-dir", str(data),
+                             "--port", str(port), "--log-level", "warning", *args], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode())
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("server did not become ready")
+
+
+async def _load(url: str, images: list[bytes], concurrency: int, ids: list[int], masks: list[str | None],
+                start_at: float) -> tuple[list[float], int, float]:
+    import httpx
+    lat: list[float] = []
+    errors = 0
+    counter = iter(ids)
+
+    async def worker(client: httpx.AsyncClient):
+        nonlocal errors
+        for i in counter:
+            data = {"mask": masks[i % len(masks)]} if masks[i % len(masks)] else None
+            t0 = time.perf_counter()
+            r = await client.post("/embed", files={"image": images[i % len(images)]}, data=data)
+            lat.append(time.perf_counter() - t0)
+            errors += r.status_code != 200
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        for _ in range(3):
+            await client.post("/embed", files={"image": images[0]})
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
+    return lat, errors, time.time()
+
+
+def _client_process(args: tuple) -> tuple[list[float], int, float]:
+    return asyncio.run(_load(*args))
+
+
+def load(url: str, images: list[bytes], concurrency: int, total: int, masks: list[str | None],
+         procs: int) -> dict:
+    """``concurrency`` single-image clients spread over ``procs`` processes (one Python client process saturates
+    long before a server does), all released at the same wall-clock instant."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+    procs = max(1, min(procs, concurrency))
+    start_at = time.time() + 3.0
+    jobs = [(url, images, concurrency // procs + (p < concurrency % procs), list(range(p, total, procs)), masks,
+             start_at) for p in range(procs)]
+    with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
+        results = list(pool.map(_client_process, jobs))
+    lat = [x for r in results for x in r[0]]
+    wall = max(r[2] for r in results) - start_at
+    return {"concurrency": concurrency, "client_processes": procs, "requests": total,
+            "errors": sum(r[1] for r in results), "images_per_s": total / wall, "p50_ms": 1e3 * pct(lat, 50),
+            "p99_ms": 1e3 * pct(lat, 99)}
+
+
+def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: int) -> dict:
+    """In-process decode + preprocess + batched ORT: what the server could reach with zero HTTP overhead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from msn_serve.bundle import Engine, load_bundle
+    from msn_serve.preprocess import preprocess_bytes
+    info = load_bundle(bundle)
+    eng = Engine(info, intra_op_threads=threads)
+    keep_all = np.arange(info.num_patches, dtype=np.int64)
+    pool = ThreadPoolExecutor(2)
+    t0 = time.perf_counter()
+    done = 0
+    while done < total:
+        n = min(batch, total - done)
+        px = np.stack(list(pool.map(lambda d: preprocess_bytes(d, info.pre, max_pixels=10**8),
+                                    [images[(done + i) % len(images)] for i in range(n)])))
+        eng.run(px, np.tile(keep_all, (n, 1)), np.ones((n, info.num_patches), bool))
+        done += n
+    pool.shutdown()
+    return {"batch": batch, "images": total, "images_per_s": total / (time.perf_counter() - t0)}
+
+
+# ---- (4) FAISS ------------------------------------------------------------------------------------------------------------
+def faiss_bench(n: int, dim: int, queries: int, k: int = 10) -> dict:
+    from msn_serve.indexes import IndexStore, recommended_nlist
+    rng = np.random.default_rng(0)
+    # clustered data: recall on pure Gaussian noise says little about real embeddings
+    centres = rng.standard_normal((max(16, n // 1000), dim)).astype(np.float32)
+    data = centres[rng.integers(0, len(centres), n)] + 0.5 * rng.standard_normal((n, dim)).astype(np.float32)
+    q = data[rng.integers(0, n, queries)] + 0.1 * rng.standard_normal((queries, dim)).astype(np.float32)
+    out = {"n": n, "dim": dim, "queries": queries, "k": k}
+    truth = None
+    with tempfile.TemporaryDirectory() as tmp:
+        store = IndexStore(Path(tmp), default_dim=dim, model_id="bench", compact_mb=1e6)
+        nlist = recommended_nlist(n)
+        for kind, spec in (("flat", {"type": "flat"}), ("ivf", {"type": "ivf", "nlist": nlist, "nprobe": 16}),
+                           ("hnsw", {"type": "hnsw", "m": 32, "ef_search": 64})):
+            idx = store.create(kind, spec)
+            t0 = time.perf_counter()
+            for s in range(0, n, 50_000):
+                chunk = data[s: s + 50_000]
+                idx.add(list(range(s, s + len(chunk))), chunk, None)
+            t_add = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            res = idx.search(q, k)
+            t_search = time.perf_counter() - t0
+            ids = np.array([[h["id"] for h in r] + [-1] * (k - len(r)) for r in res])
+            if truth is None:
+                truth = ids
+            recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, truth, strict=True)]))
+            out[kind] = {"add_vectors_per_s": n / t_add, "search_qps_batched": queries / t_search,
+                         f"recall@{k}_vs_flat": recall, **({"nlist": nlist, "nprobe": 16} if kind == "ivf" else {})}
+            store.drop(kind)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bundle", type=Path, help="bundle directory (default with --quick: a tiny random one)")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_bench.json")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: proves the harness, numbers mean nothing")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (pin them away from the "
+                    "server's cores with taskset on a big machine)")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="msn-bench-"))
+    try:
+        bundle = a.bundle or (tiny_bundle(tmp / "bundle") if a.quick else None)
+        if bundle is None:
+            ap.error("--bundle is required without --quick")
+        reps, per_client, faiss_sizes = (3, 4, [10_000]) if a.quick else (20, 50, [100_000, 1_000_000])
+        result: dict = {"machine": machine(), "bundle": str(bundle), "quick": a.quick,
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        print(f"machine: {result['machine']['cpu']} x{result['machine']['cores_visible']}", flush=True)
+        result["ort_vs_torch"] = ort_vs_torch(bundle, a.batch, a.threads, reps)
+        print("ort vs torch:", json.dumps(result["ort_vs_torch"]), flush=True)
+        images = test_images(16)
+        proc, url = start_server(bundle, tmp / "data", ["--max-batch-size", str(a.batch), "--max-wait-ms", "2",
+                                                        "--intra-op-threads", str(a.threads), "--device", a.device,
+                                                        "--queue-size", "4096"])
+        try:
+            result["http"] = []
+            for c in (1, 16, 64):
+                r = load(url, images, c, max(c * per_client, 20), [None], a.client_procs)
+                result["http"].append(r)
+                print("http:", json.dumps(r), flush=True)
+            masks = [None, '{"ratio": 0.5}', '{"ratio": 0.75}', '{"ratio": 0.9}']
+            result["http_mixed_masks"] = load(url, images, 16, 16 * per_client, masks, a.client_procs)
+            print("mixed masks:", json.dumps(result["http_mixed_masks"]), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        result["offline_batched"] = offline(bundle, images, a.batch, a.threads, max(64, 16 * per_client))
+        best = max(r["images_per_s"] for r in result["http"])
+        result["http_best_vs_offline"] = best / result["offline_batched"]["images_per_s"]
+        print("offline:", json.dumps(result["offline_batched"]), f"http/offline={result['http_best_vs_offline']:.2f}")
+        result["faiss"] = []
+        mem = result["machine"]["memory_bytes"] or 0
+        from msn_serve.bundle import load_bundle
+        dim = load_bundle(bundle).embed_dim if a.quick else max(384, load_bundle(bundle).embed_dim)
+        for n in faiss_sizes:
+            if n * dim * 4 * 4 > mem * 0.5:
+                print(f"faiss n={n}: skipped (needs ~{n * dim * 16 / 2**30:.1f} GiB)")
+                continue
+            r = faiss_bench(n, dim, 200 if a.quick else 1000)
+            result["faiss"].append(r)
+            print("faiss:", json.dumps(r), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.out}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
