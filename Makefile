@@ -7,19 +7,20 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_RUN ?= runs/demo
 DEMO_BUNDLE ?= bundles/demo
 
 .PHONY: setup data demo test lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(CHROMIUM)
 
 $(STAMP): pyproject.toml constraints.txt
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[train,serve,dev]'
+	$(PIP) install -c constraints.txt -e '.[train,serve,viz,dev]'
 	@touch $@
 
 data: $(FMNIST)
@@ -28,11 +29,25 @@ $(FMNIST):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
 
+# Debian's chromium for the visualizer's browser tests (playwright drives it; `playwright install` cannot download).
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq chromium
+
+DEMO_PORT ?= 8000
+
+# Pretrain (resumes, so a second `make demo` does not train again), export, measure low-shot accuracy, serve.
 demo: setup data
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 training/pretrain.py \
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
 	$(VENV)/bin/msn-export --checkpoint $(DEMO_RUN)/checkpoint.pt --out $(DEMO_BUNDLE)
-	@echo "Demo bundle written to $(DEMO_BUNDLE) (model.onnx, encoder.safetensors, msn.json)."
+	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress
+	$(PY) -m training.examples --out $(DEMO_RUN)/example.png
+	@echo
+	@echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; Ctrl-C stops it). Try:"
+	@echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"
+	@echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"
+	$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 --port $(DEMO_PORT)
 
 test: setup data
 	$(PY) -m pytest -q

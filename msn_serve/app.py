@@ -153,7 +153,8 @@ def create_app(settings: Settings) -> FastAPI:
         return {"model_id": i.model_id, "dim": i.embed_dim, "patch_size": i.patch_size, "image_size": i.image_size,
                 "grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
                 "preprocessing": i.raw.get("preprocessing"), "device": service.engine.device,
-                "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms}
+                "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms,
+                "role": "reader" if service.read_only else "writer", "snapshot_version": service.snapshot_version}
 
     app.include_router(routes.router)
     app.include_router(oip.router)

@@ -25,6 +25,10 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-images-per-request", int, "images per request (413 beyond)"),
     ("intra-op-threads", int, "ONNX Runtime intra-op threads (0 = cores)"),
     ("log-level", str, "debug, info, warning, error"),
+    ("role", str, "writer (default) or reader (= --read-only)"),
+    ("reload-poll-s", float, "reader: reload when published/CURRENT changes, checked this often (0 = off)"),
+    ("publish-interval-s", float, "writer: publish a snapshot this often if anything changed (0 = off)"),
+    ("publish-keep", int, "published snapshot versions to keep"),
 ]
 
 
@@ -34,9 +38,12 @@ def parse_args(argv: Sequence[str] | None) -> dict:
                                 "set as MSN_SERVE_<NAME> (e.g. MSN_SERVE_MAX_BATCH_SIZE=64).")
     for name, typ, help_ in FLAGS:
         extra = {"choices": ["cpu", "cuda"]} if name == "device" else {}
+        extra = {"choices": ["writer", "reader"]} if name == "role" else extra
         p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_, **extra)
     p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,
                    help="on CUDA, serve the fp32 graph")
+    p.add_argument("--read-only", dest="read_only", action="store_true", default=argparse.SUPPRESS,
+                   help="read-only replica: refuse writes, serve published snapshots (POST /admin/reload, SIGHUP)")
     return {k: v for k, v in vars(p.parse_args(argv)).items()}
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -37,6 +37,24 @@ class Settings(BaseSettings):
     default_lambd: float = Field(0.0025, gt=0.0, description="few-shot L2 strength before division by n")
     wal_compact_mb: float = Field(64.0, gt=0.0, description="snapshot an index once its WAL exceeds this")
     log_level: str = "info"
+    # Replica consistency (docs/deploy.md): one writer publishes snapshots, read-only replicas load them.
+    role: Literal["writer", "reader"] | None = Field(None, description="reader = read_only (the k8s manifests' name)")
+    read_only: bool = Field(False, description="refuse writes (403); serve the latest published snapshot")
+    reload_poll_s: float = Field(0.0, ge=0.0, description="reader: check published/CURRENT this often; 0 = only on "
+                                                           "POST /admin/reload or SIGHUP")
+    publish_interval_s: float = Field(0.0, ge=0.0, description="writer: publish a snapshot this often when the "
+                                                                "state changed; 0 = only on POST /admin/snapshot")
+    publish_keep: int = Field(3, ge=1, description="published versions kept (older ones after a grace period)")
+
+    @model_validator(mode="after")
+    def _role(self) -> Settings:
+        if self.read_only and self.role == "writer":
+            raise ValueError("read_only=true contradicts role=writer")
+        return self
+
+    @property
+    def reader(self) -> bool:
+        return self.read_only or self.role == "reader"
 
     @field_validator("bundle", "data_dir", "api_key_file", mode="after")
     @classmethod

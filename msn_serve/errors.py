@@ -44,6 +44,11 @@ def conflict(message: str) -> ApiError:
     return ApiError(409, message)
 
 
+def read_only_replica() -> ApiError:
+    return ApiError(403, "this replica is read-only (--read-only / MSN_SERVE_ROLE=reader): send writes to the "
+                         "writer, which publishes them with POST /admin/snapshot")
+
+
 def too_large(message: str) -> ApiError:
     return ApiError(413, message)
 

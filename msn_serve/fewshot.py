@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import check_name, conflict, not_found, unprocessable
+from .errors import check_name, conflict, not_found, read_only_replica, unprocessable
 from .storage import atomic_write, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.fewshot")
@@ -117,10 +117,11 @@ def fit(name: str, x: np.ndarray, labels: list[str], *, lambd: float, threads: i
 class ClassifierStore:
     """``<data-dir>/classifiers/<name>.npz``, each written atomically (snapshot + fsync) before acknowledging."""
 
-    def __init__(self, data_dir: Path, model_id: str):
-        self.data_dir = data_dir
-        self.root = data_dir / "classifiers"
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, data_dir: Path, model_id: str, *, root: Path | None = None, read_only: bool = False):
+        self.data_dir, self.read_only = data_dir, read_only
+        self.root = root or data_dir / "classifiers"
+        if not read_only:
+            self.root.mkdir(parents=True, exist_ok=True)
         self.model_id = model_id
         self._lock = threading.Lock()
         self.items: dict[str, FewShotClassifier] = {}
@@ -135,13 +136,17 @@ class ClassifierStore:
                 if clf.name != p.stem:
                     raise ValueError(f"file name {p.stem!r} does not match stored name {clf.name!r}")
                 self.items[clf.name] = clf
-            except Exception as e:  # noqa: BLE001 - quarantine anything unreadable, keep serving the rest
+            except Exception as e:
+                if self.read_only:  # a published snapshot is all or nothing; never move files on a reader
+                    raise ValueError(f"cannot load published classifier {p}: {e!r}") from e
                 quarantine(self.data_dir, p, f"cannot load classifier: {e!r}")
                 problems.append(p.name)
         return problems
 
     def put(self, clf: FewShotClassifier, *, overwrite: bool) -> None:
         check_name(clf.name, "classifier name")
+        if self.read_only:
+            raise read_only_replica()
         with self._lock:
             if clf.name in self.items and not overwrite:
                 raise conflict(f"classifier {clf.name!r} exists; pass overwrite=true to replace it")
@@ -156,6 +161,8 @@ class ClassifierStore:
         return clf
 
     def delete(self, name: str) -> None:
+        if self.read_only:
+            raise read_only_replica()
         with self._lock:
             self.get(name)
             remove_durably(self.root / f"{name}.npz")

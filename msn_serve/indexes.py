@@ -5,6 +5,9 @@ Layout per index: ``indexes/<name>/config.json`` (immutable after create), ``sna
 request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
 ``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
 snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
+``ivfpq`` (``IndexIVFPQ``, native ids) comes from ``msn-index build``, which writes the mmap-able form of
+:mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either, and read-only replicas open
+published copies of that form memory-mapped, without a WAL.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
-from .errors import conflict, not_found, unprocessable
+from .errors import conflict, not_found, read_only_replica, unprocessable
+from .index_files import INDEX_FILE, IVF_TYPES, STATE_FILE, read_index_dir, write_index_dir
 from .storage import WriteAheadLog, atomic_write, fsync_dir, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
@@ -33,7 +37,7 @@ MAX_ID = 2**63 - 1
 class IndexConfig:
     dim: int
     metric: Literal["ip", "l2"] = "ip"
-    type: Literal["flat", "ivf", "hnsw"] = "flat"
+    type: Literal["flat", "ivf", "ivfpq", "hnsw"] = "flat"
     normalize: bool = True
     nlist: int = 256
     nprobe: int = 16
@@ -41,6 +45,7 @@ class IndexConfig:
     ef_construction: int = 80
     ef_search: int = 64
     model_id: str = ""
+    pq_m: int = 0  # ivfpq: bytes per code (8-bit sub-quantizers)
 
 
 def _build(cfg: IndexConfig) -> faiss.Index:
@@ -52,6 +57,9 @@ def _build(cfg: IndexConfig) -> faiss.Index:
         # IVF stores external ids in its inverted lists natively. It must NOT sit inside an IndexIDMap: IVF's
         # remove_ids does not renumber internal ids the way IDMap's bookkeeping assumes, so ids would scramble.
         return faiss.IndexIVFFlat(quant, cfg.dim, cfg.nlist, metric)  # the wrapper keeps `quant` alive
+    elif cfg.type == "ivfpq":
+        quant = faiss.IndexFlatIP(cfg.dim) if cfg.metric == "ip" else faiss.IndexFlatL2(cfg.dim)
+        return faiss.IndexIVFPQ(quant, cfg.dim, cfg.nlist, cfg.pq_m, 8, metric)
     else:
         inner = faiss.IndexHNSWFlat(cfg.dim, cfg.m, metric)
         inner.hnsw.efConstruction = cfg.ef_construction
@@ -80,12 +88,12 @@ class ManagedIndex:
     """One index: all mutations and searches hold ``lock`` (FAISS mutations are not thread-safe)."""
 
     def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: dict[int, Any], seq: int,
-                 ids: set[int]):
+                 ids: set[int], *, read_only: bool = False):
         self.path, self.cfg, self.index, self.metadata, self.seq = path, cfg, index, metadata, seq
         self.lock = threading.RLock()
         self.ids = ids
         self.closed = False
-        self.wal = WriteAheadLog(path / "wal.log")
+        self.wal = None if read_only else WriteAheadLog(path / "wal.log")
         self.created = time.time()
 
     # ---- persistence ------------------------------------------------------------------------------------------
@@ -116,6 +124,9 @@ class ManagedIndex:
             seq = int(meta["seq"])
             if index.d != cfg.dim:
                 raise ValueError(f"snapshot dim {index.d} != config dim {cfg.dim}")
+        elif (path / INDEX_FILE).exists():  # built by msn-index: loaded into memory, since the writer mutates it
+            _, index, id_arr, metadata, seq = read_index_dir(path, mmap=False)
+            ids = set(id_arr.tolist())
         records, valid_len, problem = WriteAheadLog.read(path / "wal.log")
         if problem is not None:
             if problem.startswith("torn tail"):
@@ -136,6 +147,19 @@ class ManagedIndex:
         log.info("index %s: %d vectors (%d WAL records replayed)", path.name, obj.index.ntotal, replayed)
         return obj
 
+    @classmethod
+    def open_read_only(cls, path: Path) -> ManagedIndex:
+        """A published index, memory-mapped where FAISS allows, with no WAL: any failure raises."""
+        config, index, ids, metadata, seq = read_index_dir(path, mmap=True)
+        return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True)
+
+    def export(self, dest: Path) -> None:
+        """Write the current state in the mmap-able form (for publishing); consistent under ``lock``."""
+        with self.lock:
+            self._check_open()
+            write_index_dir(dest, asdict(self.cfg), self.index, np.fromiter(self.ids, np.int64, len(self.ids)),
+                            self.metadata, self.seq)
+
     def snapshot(self) -> None:
         with self.lock:
             meta = json.dumps({"seq": self.seq, "metadata": {str(k): v for k, v in self.metadata.items()}})
@@ -143,16 +167,26 @@ class ManagedIndex:
             np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
                      ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
             atomic_write(self.path / "snapshot.npz", buf.getvalue())
+            for stale in (INDEX_FILE, STATE_FILE):  # a built index's files are superseded by the snapshot
+                if (self.path / stale).exists():
+                    remove_durably(self.path / stale)
             self.wal.truncate(0)  # records <= seq are in the snapshot; a crash before this only re-skips them
 
     def close(self) -> None:
         with self.lock:
             if self.closed:
                 return
+            if self.wal is None:
+                self.closed = True
+                return
             if self.wal.size():
                 self.snapshot()
             self.wal.close()
             self.closed = True
+
+    def _check_writable(self) -> None:
+        if self.wal is None:
+            raise read_only_replica()
 
     def _check_open(self) -> None:
         """Called under ``lock``: a request that waited while the index was dropped gets a 404, not a crash."""
@@ -198,11 +232,12 @@ class ManagedIndex:
         if metadata is not None and (not isinstance(metadata, list) or len(metadata) != arr.size):
             raise unprocessable("metadata must be a JSON list with one entry (or null) per id")
         with self.lock:
+            self._check_writable()
             self._check_open()
             dup = sorted(set(arr.tolist()) & self.ids)
             if dup:
                 raise conflict(f"ids already in the index (delete them first): {dup[:10]}")
-            if self.cfg.type == "ivf" and not self.index.is_trained:
+            if self.cfg.type in IVF_TYPES and not self.index.is_trained:
                 if arr.size < self.cfg.nlist:
                     raise unprocessable(f"an ivf index trains on its first add: send at least nlist="
                                         f"{self.cfg.nlist} vectors (got {arr.size}) or create it with a smaller nlist")
@@ -222,6 +257,7 @@ class ManagedIndex:
         if self.cfg.type == "hnsw":
             raise conflict("hnsw indexes cannot delete vectors (FAISS limitation); use a flat or ivf index")
         with self.lock:
+            self._check_writable()
             self._check_open()
             present = np.array([i for i in arr.tolist() if i in self.ids], dtype=np.int64)
             missing = sorted(set(arr.tolist()) - set(present.tolist()))
@@ -242,7 +278,7 @@ class ManagedIndex:
     def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
         q = self._prepare(vecs)
         params = None
-        if self.cfg.type == "ivf":
+        if self.cfg.type in IVF_TYPES:
             params = faiss.SearchParametersIVF(nprobe=int(nprobe or self.cfg.nprobe))
         elif self.cfg.type == "hnsw":
             params = faiss.SearchParametersHNSW(efSearch=int(max(ef_search or self.cfg.ef_search, k)))
@@ -268,7 +304,7 @@ class ManagedIndex:
         with self.lock:
             return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
                     "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
-                    "wal_bytes": self.wal.size(), "seq": self.seq,
+                    "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
                     else "squared L2 distance (lower is closer)"}
 
@@ -292,10 +328,12 @@ def _copy(path: Path) -> Path:
 class IndexStore:
     """All indexes under ``<data-dir>/indexes``; create/drop are serialised by one lock."""
 
-    def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0):
-        self.data_dir = data_dir
-        self.root = data_dir / "indexes"
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0,
+                 root: Path | None = None, read_only: bool = False):
+        self.data_dir, self.read_only = data_dir, read_only
+        self.root = root or data_dir / "indexes"
+        if not read_only:
+            self.root.mkdir(parents=True, exist_ok=True)
         self.default_dim, self.model_id = default_dim, model_id
         self.compact_bytes = int(compact_mb * 2**20)
         self._lock = threading.Lock()
@@ -303,8 +341,11 @@ class IndexStore:
 
     def load_all(self) -> list[str]:
         problems = []
-        for p in sorted(self.root.iterdir()):
+        for p in sorted(self.root.iterdir()) if self.root.is_dir() else []:
             if not p.is_dir() or p.name.startswith("."):
+                continue
+            if self.read_only:  # a published snapshot is all or nothing: the caller keeps the previous one
+                self.indexes[p.name] = ManagedIndex.open_read_only(p)
                 continue
             try:
                 idx = ManagedIndex.load(p, self.data_dir)
@@ -322,6 +363,8 @@ class IndexStore:
         return idx
 
     def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False) -> ManagedIndex:
+        if self.read_only:
+            raise read_only_replica()
         with self._lock:
             if name in self.indexes:
                 if exist_ok:
@@ -334,6 +377,8 @@ class IndexStore:
             return idx
 
     def drop(self, name: str) -> None:
+        if self.read_only:
+            raise read_only_replica()
         with self._lock:
             idx = self.get(name)
             with idx.lock:

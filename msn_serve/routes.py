@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from .errors import ApiError, check_name, unprocessable
 from .fewshot import fit as fit_classifier
 from .inputs import Payload, read_payload
+from .publish import current_version
 from .service import Service
 
 router = APIRouter()
@@ -85,6 +86,7 @@ async def _features(svc: Service, payload: Payload, field: str) -> np.ndarray:
     "overwrite": ({"type": "boolean"}, "replace an existing classifier"), "mask": MASK_DOC}))
 async def fewshot_fit(request: Request) -> JSONResponse:
     """Fit a cyanure multinomial logistic regression on row-centred, L2-normalised embeddings."""
+    _svc(request).require_writer()
     svc, payload = await _payload(request)
     name = check_name(payload.string("name") or "", "classifier name")
     labels = payload.json_field("labels")
@@ -132,6 +134,7 @@ async def fewshot_get(name: str, request: Request) -> dict[str, Any]:
 @router.delete("/fewshot/{name}", tags=["few-shot"])
 async def fewshot_delete(name: str, request: Request) -> dict[str, Any]:
     svc = _svc(request)
+    svc.require_writer()
     await svc.run_work(svc.classifiers.delete, check_name(name, "classifier name"))
     return {"deleted": name}
 
@@ -151,6 +154,7 @@ async def index_list(request: Request) -> dict[str, Any]:
     "m": ({"type": "integer"}, "hnsw M"), "ef_search": ({"type": "integer"}, "hnsw default efSearch")},
     files=False))
 async def index_create(name: str, request: Request) -> JSONResponse:
+    _svc(request).require_writer()
     svc, payload = await _payload(request)
     spec = {k: payload.raw(k) for k in payload.fields}
     idx = await svc.run_work(lambda: svc.indexes.create(check_name(name, "index name"), spec))
@@ -165,6 +169,7 @@ async def index_stats(name: str, request: Request) -> dict[str, Any]:
 @router.delete("/index/{name}", tags=["index"])
 async def index_drop(name: str, request: Request) -> dict[str, Any]:
     svc = _svc(request)
+    svc.require_writer()
     await svc.run_work(svc.indexes.drop, check_name(name, "index name"))
     return {"deleted": name}
 
@@ -187,6 +192,7 @@ async def _vectors(svc: Service, payload: Payload, dim: int) -> np.ndarray:
     "metadata": ({"type": "array"}, "optional JSON value per id"), "mask": MASK_DOC}))
 async def index_add(name: str, request: Request) -> dict[str, Any]:
     """Add vectors (or embedded images) under external ids; creates a default flat index if needed."""
+    _svc(request).require_writer()
     svc, payload = await _payload(request)
     check_name(name, "index name")
     ids = payload.json_field("ids")
@@ -224,7 +230,28 @@ async def index_search(name: str, request: Request) -> dict[str, Any]:
     "ids": ({"type": "array", "items": {"type": "integer"}}, "ids to remove")}, files=False))
 async def index_delete_ids(name: str, request: Request) -> dict[str, Any]:
     svc = _svc(request)
+    svc.require_writer()
     idx = svc.indexes.get(check_name(name, "index name"))
     _, payload = await _payload(request)
     out = await svc.run_work(idx.remove, payload.json_field("ids"))
     return {"name": name, **out, "ntotal": int(idx.index.ntotal)}
+
+
+# ---- replica consistency (docs/deploy.md) -----------------------------------------------------------------------
+@router.post("/admin/snapshot", tags=["admin"])
+async def admin_snapshot(request: Request) -> dict[str, Any]:
+    """Writer: publish all indexes and classifiers as a new version under ``published/`` (readers load it)."""
+    return await _svc(request).publish()
+
+
+@router.post("/admin/reload", tags=["admin"])
+async def admin_reload(request: Request) -> dict[str, Any]:
+    """Reader: switch atomically to the newest published version (also on SIGHUP); in-flight requests finish."""
+    return await _svc(request).reload()
+
+
+@router.get("/admin/snapshot", tags=["admin"])
+async def admin_snapshot_status(request: Request) -> dict[str, Any]:
+    svc = _svc(request)
+    return {"role": "reader" if svc.read_only else "writer", "serving": svc.snapshot_version,
+            "current": await svc.run_work(current_version, svc.settings.data_dir)}

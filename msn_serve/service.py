@@ -6,9 +6,13 @@ which own the policies (where preprocessing runs, how masks map to tokens, when 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,13 +20,14 @@ import numpy as np
 from .batcher import Batcher
 from .bundle import BundleInfo, Engine, load_bundle
 from .config import Settings
-from .errors import ApiError, unprocessable
+from .errors import ApiError, conflict, read_only_replica, unprocessable
 from .fewshot import ClassifierStore
 from .indexes import IndexStore
 from .inputs import Payload
 from .masks import resolve_masks
 from .metrics import Metrics
 from .preprocess import preprocess_bytes
+from .publish import current_version, load_version, publish, state_signature
 from .storage import clean_temp_files, lock_data_dir
 
 log = logging.getLogger("msn_serve")
@@ -34,16 +39,38 @@ class Service:
         self.metrics = Metrics()
         self.info: BundleInfo = load_bundle(settings.bundle)
         self.api_key = settings.resolved_api_key()
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        self._dir_lock = lock_data_dir(settings.data_dir)
+        self.read_only = settings.reader
+        self.snapshot_version: str | None = None  # reader: the published version it serves
+        if self.read_only:  # never writes to the (possibly read-only) data volume, takes no lock: N readers share it
+            if not settings.data_dir.is_dir():
+                raise OSError(f"read-only replica: data directory {settings.data_dir} does not exist")
+            cache_dir = Path(tempfile.gettempdir()) / "msn-serve-cache"
+        else:
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+            self._dir_lock = lock_data_dir(settings.data_dir)
+            cache_dir = settings.data_dir / "cache"
         self.engine = Engine(self.info, device=settings.device, intra_op_threads=settings.intra_op_threads,
-                             fp16=settings.fp16, cache_dir=settings.data_dir / "cache")
+                             fp16=settings.fp16, cache_dir=cache_dir)
         self.batcher: Batcher | None = None
-        clean_temp_files(settings.data_dir)
-        self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id)
-        self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim, model_id=self.info.model_id,
-                                  compact_mb=settings.wal_compact_mb)
-        self.quarantined = self.classifiers.load_all() + self.indexes.load_all()
+        self.quarantined: list[str] = []
+        if self.read_only:
+            # empty until the first published version loads (a reader never reads the writer's working files)
+            self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id, read_only=True)
+            self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim, model_id=self.info.model_id,
+                                      read_only=True)
+            try:
+                self._reload_sync()
+            except Exception as e:  # faiss/JSON errors come in many types; the CLI reports ValueError cleanly
+                raise ValueError(f"cannot load the published snapshot: {e}") from e
+        else:
+            clean_temp_files(settings.data_dir)
+            self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id)
+            self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim,
+                                      model_id=self.info.model_id, compact_mb=settings.wal_compact_mb)
+            self.quarantined = self.classifiers.load_all() + self.indexes.load_all()
+        self._published_signature: tuple | None = None
+        self._admin_lock: asyncio.Lock | None = None
+        self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
         # Decoding/resizing is CPU work that releases the GIL in Pillow; a small pool keeps it off the loop
         # without oversubscribing the cores ONNX Runtime uses.
         self.pre_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="msn-pre")
@@ -57,7 +84,88 @@ class Service:
         self.batcher = Batcher(self.engine, self.metrics, max_batch_size=s.max_batch_size,
                                max_wait_ms=s.max_wait_ms, queue_size=s.queue_size)
         self.batcher.start()
-        asyncio.get_running_loop().create_task(self._warmup(), name="msn-warmup")
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._warmup(), name="msn-warmup")
+        self._admin_lock = asyncio.Lock()
+        # SIGHUP = reload on a reader; on the writer it is logged and ignored (its default action would kill it).
+        try:
+            loop.add_signal_handler(signal.SIGHUP, lambda: self._spawn(self._on_sighup()))
+        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (in-process test clients)
+            log.info("SIGHUP handler not installed (event loop not in the main thread)")
+        period = s.reload_poll_s if self.read_only else s.publish_interval_s
+        if period > 0:
+            self._spawn(self._periodic(period))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- replica consistency: the writer publishes, readers reload -------------------------------------------
+    def require_writer(self) -> None:
+        if self.read_only:
+            raise read_only_replica()
+
+    async def publish(self) -> dict[str, Any]:
+        """Writer: publish every index and classifier as a new version (see msn_serve.publish)."""
+        if self.read_only:
+            raise conflict("read-only replicas do not publish; POST /admin/snapshot on the writer")
+        async with self._admin_lock:
+            signature = state_signature(self.indexes, self.classifiers)
+            manifest = await self.run_work(lambda: publish(
+                self.settings.data_dir, self.indexes, self.classifiers, model_id=self.info.model_id,
+                keep=self.settings.publish_keep))
+            self._published_signature = signature
+            return manifest
+
+    async def reload(self) -> dict[str, Any]:
+        """Reader: switch to the newest published version; requests in flight finish on the old objects."""
+        if not self.read_only:
+            raise conflict("the writer serves its live state; POST /admin/reload is for read-only replicas")
+        async with self._admin_lock:
+            try:
+                return await self.run_work(self._reload_sync)
+            except Exception as e:
+                log.exception("reload failed; still serving version %s", self.snapshot_version)
+                raise ApiError(500, f"reload failed, still serving version {self.snapshot_version}: {e}") from e
+
+    def _reload_sync(self) -> dict[str, Any]:
+        version, previous = current_version(self.settings.data_dir), self.snapshot_version
+        if version is None or version == previous:
+            if version is None:
+                log.warning("no published snapshot under %s/published yet: serving no indexes or classifiers",
+                            self.settings.data_dir)
+            return {"changed": False, "version": previous}
+        t0 = time.perf_counter()
+        indexes, classifiers, _ = load_version(self.settings.data_dir, version, model_id=self.info.model_id,
+                                               default_dim=self.info.embed_dim)
+        # Two reference swaps; a request that already looked up an index or classifier keeps using that object.
+        self.indexes, self.classifiers, self.snapshot_version = indexes, classifiers, version
+        seconds = round(time.perf_counter() - t0, 3)
+        log.info("serving published version %s (was %s): %d indexes, %d classifiers, loaded in %.3fs", version,
+                 previous, len(indexes.indexes), len(classifiers.items), seconds)
+        return {"changed": True, "version": version, "previous": previous, "indexes": sorted(indexes.indexes),
+                "classifiers": sorted(classifiers.items), "seconds": seconds}
+
+    async def _on_sighup(self) -> None:
+        if not self.read_only:
+            log.warning("SIGHUP ignored: the writer has nothing to reload (POST /admin/snapshot publishes)")
+            return
+        with contextlib.suppress(ApiError):  # a failed reload was logged; the previous version keeps serving
+            await self.reload()
+
+    async def _periodic(self, period: float) -> None:
+        """Reader: poll ``published/CURRENT``; writer: publish when the state changed since the last publish."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if self.read_only:
+                    if current_version(self.settings.data_dir) != self.snapshot_version:
+                        await self.reload()
+                elif state_signature(self.indexes, self.classifiers) != self._published_signature:
+                    await self.publish()
+            except Exception:
+                log.exception("periodic %s failed", "reload" if self.read_only else "publish")
 
     async def _warmup(self) -> None:
         t0 = time.perf_counter()
@@ -72,6 +180,8 @@ class Service:
         log.info("warm-up done: %d (batch, tokens) buckets in %.2fs; ready", n, time.perf_counter() - t0)
 
     async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self.batcher is not None:
             await self.batcher.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.indexes.close)

@@ -68,7 +68,7 @@ class OnnxEmbedder:
     backend = "onnx"
 
     def __init__(self, bundle_dir: str | os.PathLike, *, feature: str | None = None,
-                 providers: Sequence[str] | None = None) -> None:
+                 providers: Sequence[str] | None = None, intra_op_threads: int = 0) -> None:
         import onnxruntime as ort
 
         config = read_bundle_config(bundle_dir)
@@ -77,7 +77,9 @@ class OnnxEmbedder:
             raise ValueError(f"the bundle's ONNX model outputs {self.feature!r}, not {feature!r}; "
                              "use the torch backend for another feature")
         self.patch_size = int(config["architecture"]["patch_size"])
-        self.session = ort.InferenceSession(str(Path(bundle_dir) / "model.onnx"),
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads  # 0 = ORT's default; set it when ranks share cores
+        self.session = ort.InferenceSession(str(Path(bundle_dir) / "model.onnx"), sess_options=options,
                                             providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = {i.name for i in self.session.get_inputs()}
 

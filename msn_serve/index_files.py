@@ -1,0 +1,69 @@
+"""The memory-mappable on-disk form of one index: ``config.json`` + ``index.faiss`` + ``state.npz``.
+
+``msn-index build`` writes it into ``<data-dir>/indexes/<name>/`` and the writer's ``POST /admin/snapshot`` into
+``<data-dir>/published/<version>/indexes/<name>/``. Unlike the writer's ``snapshot.npz`` (FAISS bytes inside an
+npz), ``index.faiss`` is a plain ``faiss.write_index`` file, so read-only replicas open it with FAISS' mmap flags
+and share the page cache instead of each holding a private copy. Files are written in place and fsync'd; the caller
+makes the directory visible atomically (rename of a staging directory, or a ``CURRENT`` pointer).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
+IVF_TYPES = ("ivf", "ivfpq")
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_index_dir(path: Path, config: dict[str, Any], index: faiss.Index, ids: np.ndarray,
+                    metadata: dict[int, Any], seq: int, extra: dict[str, bytes] | None = None) -> None:
+    """Write the three files (plus ``extra`` name -> bytes) into ``path`` and fsync them and the directory."""
+    path.mkdir(parents=True, exist_ok=True)
+    if index.ntotal != len(ids):
+        raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
+    meta = json.dumps({"seq": int(seq), "metadata": {str(k): v for k, v in metadata.items()}}).encode()
+    buf = io.BytesIO()
+    np.savez(buf, ids=np.asarray(ids, dtype=np.int64), meta=np.frombuffer(meta, np.uint8))
+    files = {CONFIG_FILE: json.dumps(config, indent=1).encode(), STATE_FILE: buf.getvalue(), **(extra or {})}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    faiss.write_index(index, str(path / INDEX_FILE))
+    for name in [*files, INDEX_FILE]:
+        fsync_file(path / name)
+    fsync_file(path)
+
+
+def mmap_flags(kind: str) -> int:
+    """FAISS read flags that memory-map ``kind``: IVF inverted lists (``IO_FLAG_MMAP``) or the flat vector
+    storage of flat/HNSW indexes (``IO_FLAG_MMAP_IFC``); both read-only (mmap only works on real files)."""
+    flag = faiss.IO_FLAG_MMAP if kind in IVF_TYPES else faiss.IO_FLAG_MMAP_IFC
+    return flag | faiss.IO_FLAG_READ_ONLY
+
+
+def read_index_dir(path: Path, *, mmap: bool) -> tuple[dict[str, Any], faiss.Index, np.ndarray, dict[int, Any], int]:
+    """``(config, index, ids, metadata, seq)``; raises ``ValueError``/``OSError`` on anything inconsistent."""
+    config = json.loads((path / CONFIG_FILE).read_text())
+    flags = mmap_flags(config.get("type", "flat")) if mmap else 0
+    index = faiss.read_index(str(path / INDEX_FILE), flags)
+    with np.load(path / STATE_FILE, allow_pickle=False) as z:
+        ids = np.asarray(z["ids"], dtype=np.int64)
+        meta = json.loads(bytes(z["meta"]).decode())
+    if index.ntotal != len(ids):
+        raise ValueError(f"{path}: index has {index.ntotal} vectors but state.npz lists {len(ids)} ids")
+    if index.d != int(config["dim"]):
+        raise ValueError(f"{path}: index dim {index.d} != config dim {config['dim']}")
+    return config, index, ids, {int(k): v for k, v in meta["metadata"].items()}, int(meta["seq"])

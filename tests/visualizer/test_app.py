@@ -1,0 +1,142 @@
+"""The Gradio app end to end: a real server, driven by gradio_client and by headless Chromium (playwright)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Iterator
+from concurrent.futures import wait
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training.masking import random_keep_idx
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_bundle: Path, tiny_run: Path) -> Iterator[str]:
+    from visualizer.app import launch
+
+    port = _free_port()
+    demo = launch(tiny_bundle, tiny_run, compare=(tiny_bundle, tiny_run), port=port, block=False)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(app_url: str):
+    from gradio_client import Client
+
+    return Client(app_url, verbose=False)
+
+
+def test_examples_include_fashion_mnist_and_photos(tmp_path: Path) -> None:
+    from visualizer.app import example_images
+
+    names = [p.name for p in example_images(tmp_path, fashion_mnist=2)]
+    assert {"astronaut.png", "coffee.png", "chelsea.png"} <= set(names)
+    if Path("/usr/share/datasets/fashion-mnist").is_dir():
+        assert names[0].startswith("fmnist_0_")
+
+
+def test_client_upload_mask_and_sample(client, sample_png: Path) -> None:
+    from gradio_client import handle_file
+
+    grid, status = client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, api_name="/load")
+    assert status == "32/64 patches kept" and Image.open(grid).size == (320, 320)
+    _, status = client.predict(handle_file(str(sample_png)), "focal", 0.5, 0, 0.5, api_name="/mask")
+    assert status == "16/64 patches kept"
+    masked, gallery, status = client.predict(handle_file(str(sample_png)), "random", 0.7, 3, 0.5, 3, 2, 1.0, 0,
+                                             api_name="/sample")
+    assert len(gallery) == 3 and status == "3 samples from 19/64 kept patches"
+    assert Image.open(masked).size == (160, 160) and Image.open(gallery[0]["image"]).size == (160, 160)
+
+
+def test_client_side_by_side(client, sample_png: Path) -> None:
+    from gradio_client import handle_file
+
+    image = handle_file(str(sample_png))
+    for kind in ("two ratios", "two bundles"):
+        _, gallery_a, _, gallery_b, status = client.predict(image, kind, 0.0, 0.9, "random", 0.5, 0, 0.5, 2, 2, 1.0,
+                                                            0, api_name="/compare")
+        assert len(gallery_a) == len(gallery_b) == 2 and status.startswith("A: ")
+
+
+def test_client_queue_serves_concurrent_users(app_url: str, sample_png: Path) -> None:
+    from gradio_client import Client, handle_file
+
+    jobs = [Client(app_url, verbose=False).submit(handle_file(str(sample_png)), "random", 0.5, seed, 0.5, 2, 2, 1.0,
+                                                  seed, api_name="/sample") for seed in range(3)]
+    wait(jobs, timeout=120)
+    assert [len(job.result()[1]) for job in jobs] == [2, 2, 2]
+
+
+def test_client_bad_upload_is_a_clear_error(client, tmp_path: Path) -> None:
+    from gradio_client import handle_file
+
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
+    with pytest.raises(Exception, match="Bad image: cannot read broken.png"):
+        client.predict(handle_file(str(bad)), "random", 0.5, 0, 0.5, api_name="/load")
+    tiny = tmp_path / "tiny.png"
+    Image.fromarray(np.zeros((2, 2, 3), dtype=np.uint8)).save(tiny)
+    with pytest.raises(Exception, match="at least 4 px"):
+        client.predict(handle_file(str(tiny)), "random", 0.5, 0, 0.5, api_name="/load")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (make setup)")
+def test_browser_click_patches_and_sample(app_url: str, sample_png: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    keep = np.zeros(64, dtype=bool)
+    keep[random_keep_idx(1, 64, 0.5, generator=torch.Generator().manual_seed(0))[0].numpy()] = True
+    clicks = [(0, 0), (3, 5), (7, 7)]  # (row, col) patches to toggle
+    expected = int(keep.sum()) + sum(-1 if keep[r * 8 + c] else 1 for r, c in clicks)
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            page.goto(app_url, wait_until="domcontentloaded")
+            page.locator("#upload input[type=file]").set_input_files(str(sample_png))
+            status = page.locator("#status")
+            expect(status).to_contain_text("32/64 patches kept", timeout=30_000)
+            grid = page.locator("#patch-grid img")
+            for n, (row, col) in enumerate(clicks):
+                # the picture is letterboxed inside the <img> box (object-fit: contain)
+                box = grid.bounding_box()
+                natural = grid.evaluate("img => [img.naturalWidth, img.naturalHeight]")
+                scale = min(box["width"] / natural[0], box["height"] / natural[1])
+                left = (box["width"] - natural[0] * scale) / 2
+                top = (box["height"] - natural[1] * scale) / 2
+                cell = natural[0] * scale / 8
+                grid.click(position={"x": left + (col + 0.5) * cell, "y": top + (row + 0.5) * cell})
+                count = int(keep.sum()) + sum(-1 if keep[r * 8 + c] else 1 for r, c in clicks[: n + 1])
+                expect(status).to_contain_text(f"{count}/64 patches kept", timeout=20_000)
+            assert count == expected
+            page.locator("#sample-btn").click()
+            expect(status).to_contain_text(f"4 samples from {expected}/64 kept patches", timeout=60_000)
+            expect(page.locator("#samples img")).to_have_count(4, timeout=20_000)
+            expect(page.locator("#masked img")).to_be_visible()
+            page.screenshot(path=str(ARTIFACTS / "visualizer_app.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "visualizer_app.png").stat().st_size > 10_000

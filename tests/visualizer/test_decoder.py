@@ -1,0 +1,85 @@
+"""RCDM decoder, diffusion loss/samplers and frozen features on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.visualizer.conftest import tiny_config
+from visualizer.config import ConfigError, load_config
+from visualizer.decoder import RCDMDecoder
+from visualizer.diffusion import Diffusion
+from visualizer.features import FrozenEncoder, random_keep
+
+
+def _decoder(*extra: str) -> tuple[RCDMDecoder, Diffusion]:
+    cfg = tiny_config(*extra)
+    torch.manual_seed(0)
+    return RCDMDecoder(cfg.model, cond_dim=64), Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
+
+
+def test_conditioning_enters_through_the_time_embedding() -> None:
+    decoder, _ = _decoder("model.learn_sigma=true")
+    unet = decoder.unet
+    assert unet.config.class_embed_type == "identity" and unet.config.resnet_time_scale_shift == "scale_shift"
+    assert decoder.cond_proj.out_features == unet.time_embedding.linear_2.out_features
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([10, 500])
+    with torch.no_grad():
+        torch.nn.init.normal_(unet.conv_out.weight)  # the zero-free head so outputs depend on the condition
+        out_a = decoder(x, t, torch.randn(2, 64))
+        out_b = decoder(x, t, torch.randn(2, 64))
+        out_null = decoder(x, t, torch.randn(2, 64), drop=torch.tensor([True, True]))
+        out_null2 = decoder(x, t, torch.randn(2, 64), drop=torch.tensor([True, True]))
+    assert out_a.shape == (2, 6, 16, 16)
+    assert not torch.allclose(out_a, out_b)
+    torch.testing.assert_close(out_null, out_null2)  # the null embedding ignores the feature
+
+
+@pytest.mark.parametrize("learn_sigma", [False, True])
+def test_loss_is_finite_and_trains_every_parameter(learn_sigma: bool) -> None:
+    decoder, diffusion = _decoder(f"model.learn_sigma={str(learn_sigma).lower()}")
+    x0 = torch.rand(4, 3, 16, 16) * 2 - 1
+    loss, stats = diffusion.loss(decoder, x0, torch.randn(4, 64))
+    loss.backward()
+    assert torch.isfinite(loss) and ("vb" in stats) == learn_sigma
+    assert all(p.grad is not None for p in decoder.parameters())
+
+
+@pytest.mark.parametrize("sampler,guidance", [("ddim", 1.0), ("ddpm", 1.0), ("ddim", 2.0)])
+def test_sampling_shape_range_and_seed(sampler: str, guidance: float) -> None:
+    decoder, diffusion = _decoder("model.learn_sigma=true")
+    decoder.eval()
+    feat = torch.randn(3, 64)
+
+    def run(seed: int) -> torch.Tensor:
+        return diffusion.sample(decoder, feat, image_size=16, steps=4, sampler=sampler, guidance_scale=guidance,
+                                generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(0), run(0), run(1)
+    assert a.shape == (3, 3, 16, 16) and a.min() >= -1 and a.max() <= 1
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(a, c)
+
+
+def test_frozen_encoder_onnx_matches_torch_with_padded_masks(tiny_bundle) -> None:
+    images = torch.randint(0, 256, (3, 3, 40, 48), dtype=torch.uint8)
+    keep_idx, keep_mask = random_keep(3, 64, [0.0, 0.5, 0.9], torch.Generator().manual_seed(0))
+    assert keep_mask.sum(1).tolist() == [64, 32, 6]
+    torch_enc, onnx_enc = FrozenEncoder(tiny_bundle, backend="torch"), FrozenEncoder(tiny_bundle, backend="onnx")
+    got, want = onnx_enc.embed(images, keep_idx, keep_mask), torch_enc.embed(images, keep_idx, keep_mask)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # padding does not change a row's feature
+    row = torch_enc.embed(images[2:], keep_idx[2:, :6])
+    torch.testing.assert_close(row, want[2:], atol=1e-5, rtol=1e-5)
+
+
+def test_config_rejects_mistakes() -> None:
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ["model.attention=[true]"])
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config(None, ["optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match="data.root"):
+        load_config(None, ["data.source=image_folder"])
+    assert load_config("configs/rcdm_fmnist_32.yaml").data.source == "fashion-mnist"
+    for name in ("rcdm_64", "rcdm_128"):  # image-folder configs: the root comes from --data-root
+        assert load_config(f"configs/{name}.yaml", ["data.root=/data/imagenet"]).model.learn_sigma

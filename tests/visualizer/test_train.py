@@ -1,0 +1,72 @@
+"""Decoder training: a few steps, the sample grid, exact resume, sampling from the run, the CLI, DDP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.visualizer.conftest import TINY_OVERRIDES, tiny_config
+from visualizer.cli import main
+from visualizer.pipeline import RCDMPipeline, load_run
+from visualizer.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_decoder_trains_and_samples(tiny_bundle: Path, tiny_run: Path) -> None:
+    state = load_run(tiny_run)
+    assert state["step"] == 3 and state["bundle"]["model_id"].startswith("msn-tiny4")
+    grid = Image.open(tiny_run / "samples" / "step_000003.png")
+    assert grid.size[0] > grid.size[1] > 0  # 2 rows x (original, masked, 2 samples)
+    assert (tiny_run / "metrics.jsonl").read_text().count("\n") == 3
+    pipe = RCDMPipeline.from_dirs(tiny_bundle, tiny_run)
+    image = torch.randint(0, 256, (1, 3, 40, 48), dtype=torch.uint8)
+    samples = pipe.sample(image, torch.arange(0, 64, 3), num_samples=5, steps=2, seed=1)
+    assert samples.shape == (5, 3, 16, 16) and samples.dtype == torch.uint8
+
+
+def test_resume_is_exact(tiny_bundle: Path, tmp_path: Path) -> None:
+    extra = ("model.learn_sigma=true", "diffusion.cond_drop_prob=0.3", "cond.mask_prob=0.7",
+             "run.checkpoint_every_steps=2", "data.synthetic_size=24")  # 3 steps per epoch: crosses an epoch
+    straight = train(tiny_config("optim.max_steps=5", *extra), tiny_bundle, tmp_path / "a")
+    train(tiny_config("optim.max_steps=2", *extra), tiny_bundle, tmp_path / "b")
+    resumed = train(tiny_config("optim.max_steps=5", *extra), tiny_bundle, tmp_path / "b", resume=True)
+    assert straight == resumed
+    a, b = load_run(tmp_path / "a"), load_run(tmp_path / "b")
+    assert (a["step"], a["epoch"], a["batch_in_epoch"]) == (b["step"], b["epoch"], b["batch_in_epoch"]) == (5, 1, 2)
+    for key in ("decoder", "ema"):
+        for name, tensor in a[key].items():
+            assert torch.equal(tensor, b[key][name]), f"{key}.{name} differs after resume"
+    assert a["optimizer"]["state"][0]["exp_avg"].equal(b["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_cli_sample_writes_a_grid(tiny_bundle: Path, tiny_run: Path, sample_png: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "grid.png"
+    assert main(["sample", "--bundle", str(tiny_bundle), "--decoder", str(tiny_run), "--image", str(sample_png),
+                 "--mask-ratio", "0.7", "--num-samples", "3", "--steps", "2", "--out", str(out)]) == 0
+    assert "19/64 patches kept" in capsys.readouterr().out
+    assert Image.open(out).size == (2 + 5 * 98, 100)  # original, masked, 3 samples at 96 px + 2 px padding
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    with pytest.raises(SystemExit, match="cannot read bad.png as an image"):
+        main(["sample", "--bundle", str(tiny_bundle), "--decoder", str(tiny_run), "--image", str(bad),
+              "--out", str(out)])
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_two_processes(tiny_bundle: Path, tmp_path: Path) -> None:
+    overrides = [a for o in TINY_OVERRIDES + ["optim.max_steps=2"] for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "visualizer.cli", "train", "--bundle", str(tiny_bundle), "--output-dir", str(tmp_path), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = load_run(tmp_path)
+    assert state["world_size"] == 2 and state["step"] == 2 and len(state["rng"]) == 2

@@ -1,0 +1,39 @@
+"""Write real example images (Fashion-MNIST test set) to disk, e.g. for `curl` against the demo service.
+
+    python -m training.examples --out runs/demo/example.png [--index 0] [--size 112]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from PIL import Image
+
+from training.data import FashionMNIST
+
+
+def fashion_mnist_example(index: int = 0, size: int | None = None) -> tuple[Image.Image, str]:
+    """Test image ``index`` as a PIL image (optionally upscaled) and its class name."""
+    dataset = FashionMNIST(split="test")
+    image, label, _ = dataset[index]
+    picture = Image.fromarray(image.permute(1, 2, 0).numpy())
+    if size:
+        picture = picture.resize((size, size), Image.Resampling.BICUBIC)
+    return picture, dataset.classes[label]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--size", type=int, default=None, help="upscale to SIZE x SIZE pixels")
+    args = parser.parse_args(argv)
+    picture, name = fashion_mnist_example(args.index, args.size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    picture.save(args.out)
+    print(f"wrote {args.out} (Fashion-MNIST test image {args.index}: {name})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Gradio app: mask an image, sample from the RCDM decoder, see what the MSN representation keeps.
+
+Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``) so the app is also an
+API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and ``/compare``
+endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users. Sampling
+runs through Gradio's queue with a bounded concurrency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+import torch
+from PIL import Image
+
+from training.masking import focal_keep_idx, keep_idx_from_bitmap, random_keep_idx
+from visualizer.pipeline import RCDMPipeline, load_image
+from visualizer.render import bitmap_from_keep_idx, masked_view, patch_grid_image, to_hwc, upscale
+
+__all__ = ["build_app", "example_images", "launch"]
+
+log = logging.getLogger("msn.visualize")
+MODES = ("random", "focal", "click")
+SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
+GRID_PX = 320
+SHOW_PX = 160
+
+
+def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> list[Path]:
+    """Write the built-in examples as PNGs: Fashion-MNIST test images (if installed) and scikit-image photos."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    try:
+        from training.data import FashionMNIST
+
+        test = FashionMNIST(split="test")
+        for index in range(fashion_mnist):
+            path = out_dir / f"fmnist_{index}_{test.classes[int(test.labels[index])].replace('/', '-')}.png"
+            Image.fromarray(test.images[index]).convert("RGB").save(path)
+            paths.append(path)
+    except FileNotFoundError:
+        log.info("Fashion-MNIST is not installed: no Fashion-MNIST examples")
+    from skimage import data as skdata
+
+    for name in SKIMAGE_PHOTOS:
+        try:
+            photo = getattr(skdata, name)()
+        except Exception as exc:  # noqa: BLE001 - a photo missing from this scikit-image is not an error
+            log.info("scikit-image photo %s unavailable: %s", name, exc)
+            continue
+        path = out_dir / f"{name}.png"
+        Image.fromarray(np.asarray(photo)).convert("RGB").save(path)
+        paths.append(path)
+    return paths
+
+from gradio.events import Dependency
+
+class CheckedImage(gr.Image):
+    """``gr.Image`` whose decoding failures reach the user as a readable error instead of a stack trace."""
+
+    is_template = True  # rendered by the stock Image frontend
+
+    def preprocess(self, payload):
+        try:
+            return super().preprocess(payload)
+        except gr.Error:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any decoder failure means the upload is not a usable image
+            name = getattr(payload, "orig_name", None) or "the upload"
+            raise gr.Error(f"Bad image: cannot read {name} as an image ({type(exc).__name__}).") from None
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from gradio.blocks import Block
+    if TYPE_CHECKING:
+        from gradio.components import Timer
+        from gradio.components.base import Component
+
+
+class Session:
+    """The app's model-side functions, independent of the UI (so they can be unit-tested)."""
+
+    def __init__(self, primary: RCDMPipeline, compare: RCDMPipeline | None = None) -> None:
+        self.primary, self.compare_pipe = primary, compare
+
+    @property
+    def grid(self) -> int:
+        return self.primary.encoder.grid
+
+    def view(self, path: str | None, pipe: RCDMPipeline | None = None) -> np.ndarray:
+        """The encoder's view (resize + centre crop) of an uploaded file, (crop, crop, 3) uint8."""
+        if not path:
+            raise gr.Error("Upload an image or pick an example first.")
+        pipe = pipe or self.primary
+        try:
+            image = load_image(path, min_size=pipe.encoder.patch_size)
+        except ValueError as exc:
+            raise gr.Error(f"Bad image: {exc}") from None
+        return to_hwc(pipe.encoder.model_view(image)[0])
+
+    def keep_bitmap(self, mode: str, ratio: float, seed: int, focal: float, clicked: np.ndarray | None,
+                    grid: int | None = None) -> np.ndarray:
+        grid = grid or self.grid
+        if mode == "random":
+            if not 0 <= ratio < 1:
+                raise gr.Error("The mask ratio must be in [0, 1).")
+            keep = random_keep_idx(1, grid * grid, float(ratio), generator=torch.Generator().manual_seed(int(seed)))
+            return bitmap_from_keep_idx(keep[0], grid)
+        if mode == "focal":
+            side = min(grid, max(1, round(float(focal) * grid)))
+            return bitmap_from_keep_idx(focal_keep_idx(grid, grid, side, side), grid)
+        if mode == "click":
+            if clicked is None or np.asarray(clicked).shape != (grid, grid):
+                return np.ones((grid, grid), dtype=bool)
+            return np.asarray(clicked, dtype=bool)
+        raise gr.Error(f"Unknown mask mode {mode!r}; expected one of {', '.join(MODES)}.")
+
+    def grid_picture(self, view: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        return patch_grid_image(view, keep, max(4, GRID_PX // keep.shape[0]))
+
+    def run(self, pipe: RCDMPipeline, view: np.ndarray, keep: np.ndarray, num_samples: int, steps: int,
+            guidance: float, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        if not keep.any():
+            raise gr.Error("Every patch is masked: keep at least one (click a dimmed patch).")
+        image = torch.from_numpy(view).permute(2, 0, 1).unsqueeze(0).contiguous()
+        samples = pipe.sample(image, keep_idx_from_bitmap(keep), num_samples=int(num_samples), steps=int(steps),
+                              guidance_scale=float(guidance), seed=int(seed))
+        size = max(SHOW_PX, pipe.image_size)
+        return upscale(masked_view(view, keep), SHOW_PX), [upscale(to_hwc(s), size) for s in samples]
+
+
+def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
+              examples: list[Path] | None = None) -> gr.Blocks:
+    session = Session(primary, compare)
+    cfg = primary.config.diffusion
+    with gr.Blocks(title="MSN + RCDM: what the representation keeps", analytics_enabled=False) as demo:
+        gr.Markdown(
+            "## What does the MSN representation keep?\n"
+            f"An RCDM diffusion decoder (step {primary.step}) samples images from the frozen embedding of "
+            f"bundle `{primary.encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
+            "is what the representation encodes."
+        )
+        clicked = gr.State(None)
+        with gr.Row():
+            with gr.Column(scale=1):
+                image = CheckedImage(type="filepath", label="Image", sources=["upload"], elem_id="upload", height=240)
+                if examples:
+                    gr.Examples([[str(p)] for p in examples], inputs=[image], label="Examples", examples_per_page=12)
+            with gr.Column(scale=1):
+                grid_img = gr.Image(label="Patch grid: click patches to drop / keep them", interactive=False,
+                                    elem_id="patch-grid", height=GRID_PX, buttons=[])
+                mode = gr.Radio(list(MODES), value="random", label="Mask", elem_id="mask-mode")
+                ratio = gr.Slider(0.0, 0.95, value=0.5, step=0.05, label="Mask ratio (random)", elem_id="ratio")
+                mask_seed = gr.Number(0, precision=0, label="Mask seed", elem_id="mask-seed")
+                focal = gr.Slider(0.1, 1.0, value=0.5, step=0.05, label="Focal block side (fraction of the grid)")
+        with gr.Row():
+            num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples")
+            steps = gr.Slider(2, 250, value=cfg.sample_steps, step=1, label="DDIM steps")
+            guidance = gr.Slider(0.0, 5.0, value=cfg.guidance_scale, step=0.5, label="Guidance scale",
+                                 visible=primary.config.diffusion.cond_drop_prob > 0)
+            sample_seed = gr.Number(0, precision=0, label="Sample seed")
+        status = gr.Markdown(elem_id="status")
+        with gr.Tab("Samples"):
+            sample_btn = gr.Button("Sample", variant="primary", elem_id="sample-btn")
+            with gr.Row():
+                masked = gr.Image(label="Masked input", interactive=False, elem_id="masked", scale=1)
+                gallery = gr.Gallery(label="Samples", columns=4, elem_id="samples", scale=3)
+        with gr.Tab("Side by side"):
+            kinds = ["two ratios"] + (["two bundles"] if compare is not None else [])
+            kind = gr.Radio(kinds, value="two ratios", label="Compare")
+            with gr.Row():
+                ratio_a = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Ratio A")
+                ratio_b = gr.Slider(0.0, 0.95, value=0.7, step=0.05, label="Ratio B (or the mask above for bundles)")
+            compare_btn = gr.Button("Compare", elem_id="compare-btn")
+            with gr.Row():
+                masked_a = gr.Image(label="A: masked", interactive=False, scale=1)
+                gallery_a = gr.Gallery(label="A: samples", columns=4, scale=3, elem_id="samples-a")
+            with gr.Row():
+                masked_b = gr.Image(label="B: masked", interactive=False, scale=1)
+                gallery_b = gr.Gallery(label="B: samples", columns=4, scale=3, elem_id="samples-b")
+
+        def show_mask(path, mode_, ratio_, seed_, focal_, clicked_):
+            if not path:
+                return None, clicked_, ""
+            view = session.view(path)
+            keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_)
+            return session.grid_picture(view, keep), keep, f"{int(keep.sum())}/{keep.size} patches kept"
+
+        def click(path, mode_, ratio_, seed_, focal_, clicked_, evt: gr.SelectData):
+            view = session.view(path)
+            keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_).copy()
+            cell = max(4, GRID_PX // session.grid)
+            x, y = evt.index
+            row, col = min(int(y) // cell, session.grid - 1), min(int(x) // cell, session.grid - 1)
+            keep[row, col] = not keep[row, col]
+            text = f"{int(keep.sum())}/{keep.size} patches kept"
+            return session.grid_picture(view, keep), keep, "click", text
+
+        def sample(path, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, sample_seed_):
+            view = session.view(path)
+            keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_)
+            shown, samples = session.run(primary, view, keep, n, steps_, guidance_, sample_seed_)
+            return shown, samples, f"{len(samples)} samples from {int(keep.sum())}/{keep.size} kept patches"
+
+        def side_by_side(path, kind_, ra, rb, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, s):
+            if kind_ == "two bundles":
+                if session.compare_pipe is None:
+                    raise gr.Error("Start the app with --compare-bundle/--compare-decoder to compare bundles.")
+                outs = []
+                for pipe in (primary, session.compare_pipe):
+                    view = session.view(path, pipe)
+                    keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_, grid=pipe.encoder.grid)
+                    outs += session.run(pipe, view, keep, n, steps_, guidance_, s)
+                return (*outs, f"A: {primary.name}, B: {session.compare_pipe.name}")
+            view = session.view(path)
+            outs = []
+            for r in (ra, rb):
+                outs += session.run(primary, view, session.keep_bitmap("random", r, seed_, focal_, None),
+                                    n, steps_, guidance_, s)
+            return (*outs, f"A: ratio {ra:.2f}, B: ratio {rb:.2f}")
+
+        mask_inputs = [image, mode, ratio, mask_seed, focal, clicked]
+        image.change(show_mask, mask_inputs, [grid_img, clicked, status], api_name="load")
+        mode.input(show_mask, mask_inputs, [grid_img, clicked, status], api_name="mask")
+        for control in (ratio, mask_seed, focal):
+            control.input(show_mask, mask_inputs, [grid_img, clicked, status], api_visibility="private")
+        grid_img.select(click, mask_inputs, [grid_img, clicked, mode, status], api_name="click")
+        sample_inputs = mask_inputs + [num_samples, steps, guidance, sample_seed]
+        sample_btn.click(sample, sample_inputs, [masked, gallery, status], api_name="sample")
+        compare_btn.click(side_by_side, [image, kind, ratio_a, ratio_b] + sample_inputs[1:],
+                          [masked_a, gallery_a, masked_b, gallery_b, status], api_name="compare")
+    return demo
+
+
+def launch(bundle: str | Path, decoder: str | Path, *, compare: tuple[Path, Path] | None = None,
+           host: str = "127.0.0.1", port: int = 7860, device: str = "cpu", concurrency: int = 2,
+           block: bool = True) -> gr.Blocks:
+    """Load the pipelines, write the examples, start the server (``block=False`` returns once it listens)."""
+    primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
+    second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
+    examples_dir = Path(tempfile.mkdtemp(prefix="msn-visualize-examples-"))
+    demo = build_app(primary, second, examples=example_images(examples_dir))
+    demo.queue(default_concurrency_limit=concurrency, max_size=64)
+    demo.launch(server_name=host, server_port=port, allowed_paths=[str(examples_dir)],
+                prevent_thread_lock=not block, show_error=True, max_file_size="20mb", ssr_mode=False)
+    return demo

@@ -1,0 +1,138 @@
+"""``msn-visualize``: train an RCDM decoder on a bundle, sample from a masked image, or start the Gradio app.
+
+    msn-visualize train  --bundle B --data fashion-mnist --config configs/rcdm_fmnist_32.yaml --output-dir runs/rcdm
+    msn-visualize sample --bundle B --decoder runs/rcdm --image shoe.png --mask-ratio 0.7 --num-samples 8 --out grid.png
+    msn-visualize app    --bundle B --decoder runs/rcdm --port 7860
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="msn-visualize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a decoder conditioned on a bundle's frozen features")
+    train.add_argument("--bundle", type=Path, required=True)
+    train.add_argument("--config", type=Path, help="YAML config (configs/rcdm_*.yaml)")
+    train.add_argument("--data", help="dataset source: fashion-mnist | image_folder | synthetic (config data.source)")
+    train.add_argument("--data-root", help="image folder root (config data.root)")
+    train.add_argument("--output-dir", type=Path, required=True)
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set optim.max_steps=500 (repeatable)")
+    train.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt if present")
+
+    sample = sub.add_parser("sample", help="sample images conditioned on one (masked) image")
+    sample.add_argument("--bundle", type=Path, required=True)
+    sample.add_argument("--decoder", type=Path, required=True, help="run directory or checkpoint.pt")
+    sample.add_argument("--image", type=Path, required=True)
+    mask = sample.add_mutually_exclusive_group()
+    mask.add_argument("--mask-ratio", type=float, default=0.0, help="fraction of patches dropped at random")
+    mask.add_argument("--focal", type=float, metavar="FRACTION",
+                      help="keep only a centred block covering FRACTION of the grid side")
+    sample.add_argument("--mask-seed", type=int, default=0)
+    sample.add_argument("--num-samples", type=int, default=8)
+    sample.add_argument("--steps", type=int, help="sampling steps (default: the decoder config's)")
+    sample.add_argument("--sampler", choices=("ddim", "ddpm"))
+    sample.add_argument("--guidance-scale", type=float)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--backend", choices=("torch", "onnx"), help="encoder backend (default: as trained)")
+    sample.add_argument("--device", default="cpu")
+    sample.add_argument("--out", type=Path, required=True, help="PNG grid: original | masked | samples")
+
+    app = sub.add_parser("app", help="start the Gradio app")
+    app.add_argument("--bundle", type=Path, required=True)
+    app.add_argument("--decoder", type=Path, required=True)
+    app.add_argument("--compare-bundle", type=Path, help="a second bundle for the side-by-side mode")
+    app.add_argument("--compare-decoder", type=Path, help="the decoder trained on --compare-bundle")
+    app.add_argument("--host", default="127.0.0.1")
+    app.add_argument("--port", type=int, default=7860)
+    app.add_argument("--device", default="cpu")
+    app.add_argument("--concurrency", type=int, default=2, help="sampling requests run at once")
+    app.add_argument("--share", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from training import distributed as dist
+    from visualizer.config import ConfigError, load_config
+    from visualizer.train import train
+
+    overrides = list(args.overrides)
+    if args.data:
+        overrides.insert(0, f"data.source={args.data}")
+    if args.data_root:
+        overrides.insert(0, f"data.root={args.data_root}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ConfigError, FileNotFoundError) as exc:
+        raise SystemExit(f"msn-visualize train: {exc}") from None
+    info = dist.init_distributed(cfg.run.device)
+    logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, format="%(asctime)s %(message)s")
+    try:
+        record = train(cfg, args.bundle, args.output_dir, resume=args.resume, info=info)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"msn-visualize train: {exc}") from None
+    finally:
+        dist.cleanup()
+    if info.rank == 0:
+        print(f"done: step {record.get('step')}, checkpoint {args.output_dir / 'checkpoint.pt'}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from training.masking import focal_keep_idx, random_keep_idx
+    from visualizer.pipeline import RCDMPipeline, load_image
+    from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
+
+    try:
+        pipe = RCDMPipeline.from_dirs(args.bundle, args.decoder, device=args.device, backend=args.backend)
+        image = load_image(args.image, min_size=1)
+        enc = pipe.encoder
+        if args.focal is not None:
+            if not 0 < args.focal <= 1:
+                raise ValueError("--focal must be in (0, 1]")
+            side = max(1, round(args.focal * enc.grid))
+            keep = focal_keep_idx(enc.grid, enc.grid, side, side)
+        else:
+            generator = torch.Generator().manual_seed(args.mask_seed)
+            keep = random_keep_idx(1, enc.num_patches, args.mask_ratio, generator=generator)[0]
+        samples = pipe.sample(image, keep, num_samples=args.num_samples, steps=args.steps,
+                              guidance_scale=args.guidance_scale, sampler=args.sampler, seed=args.seed)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"msn-visualize sample: {exc}") from None
+    view = to_hwc(enc.model_view(image)[0])
+    row = [view, masked_view(view, bitmap_from_keep_idx(keep, enc.grid))] + [to_hwc(s) for s in samples]
+    save_grid([row], args.out, cell=max(96, pipe.image_size))
+    print(f"wrote {args.out} ({len(samples)} samples, {len(keep)}/{enc.num_patches} patches kept)")
+    return 0
+
+
+def _app(args: argparse.Namespace) -> int:
+    from visualizer.app import launch
+
+    if (args.compare_bundle is None) != (args.compare_decoder is None):
+        raise SystemExit("msn-visualize app: --compare-bundle and --compare-decoder go together")
+    launch(args.bundle, args.decoder, compare=(args.compare_bundle, args.compare_decoder) if args.compare_bundle
+           else None, host=args.host, port=args.port, device=args.device, concurrency=args.concurrency)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"train": _train, "sample": _sample, "app": _app}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

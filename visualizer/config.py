@@ -1,0 +1,157 @@
+"""RCDM decoder config: typed dataclasses filled from YAML and ``--set key=value`` overrides.
+
+The parsing rules are pretraining's (``training.config``): unknown keys and mistyped values are errors that name
+the key. Defaults are a small 32 px decoder; ``configs/rcdm_*.yaml`` state what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.config import ConfigError, _build, _set_nested
+
+__all__ = ["ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
+
+
+@dataclass
+class ModelConfig:
+    image_size: int = 32  # resolution the decoder generates
+    block_out_channels: list[int] = field(default_factory=lambda: [64, 128, 128])
+    attention: list[bool] = field(default_factory=lambda: [False, True, True])  # self-attention per level
+    layers_per_block: int = 1
+    attention_head_dim: int = 32
+    resblock_updown: bool = True  # RCDM/ADM: down/upsample with a ResNet block instead of a strided conv
+    norm_num_groups: int = 32
+    dropout: float = 0.0
+    learn_sigma: bool = False  # RCDM: predict the variance too (6 output channels) and train the hybrid loss
+    cond_norm: bool = True  # LayerNorm (no affine) on the MSN feature before the projection
+
+
+@dataclass
+class DiffusionConfig:
+    num_train_timesteps: int = 1000
+    beta_schedule: str = "linear"  # linear (RCDM) | squaredcos_cap_v2
+    vb_weight: float = 1.0  # weight of the variational-bound term of the hybrid loss (learn_sigma only)
+    cond_drop_prob: float = 0.0  # >0 trains a null embedding for classifier-free guidance
+    sampler: str = "ddim"  # ddim (eta 0) | ddpm (ancestral, uses the learned variance)
+    sample_steps: int = 50
+    guidance_scale: float = 1.0  # 1 = plain conditional sampling
+
+
+@dataclass
+class DataConfig:
+    source: str = "fashion-mnist"  # fashion-mnist | image_folder | synthetic
+    root: str | None = None
+    load_size: int | None = None  # decode size; None: max(decoder size, encoder resize)
+    batch_size: int = 64  # per process
+    num_workers: int = 1
+    hflip: bool = True  # the same flip for the decoder target and the encoder input, as RCDM
+    synthetic_size: int = 512
+
+
+@dataclass
+class CondConfig:
+    backend: str = "torch"  # torch (encoder.safetensors) | onnx (model.onnx)
+    mask_prob: float = 0.5  # fraction of training images whose encoder input is masked
+    mask_ratio_min: float = 0.0  # masked images drop a ratio drawn uniformly in [min, max]
+    mask_ratio_max: float = 0.9
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2.0e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    max_steps: int = 3000
+    ema_decay: float = 0.999
+    clip_grad: float = 1.0
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 on CUDA) | fp32 | bf16
+    log_every_steps: int = 25
+    checkpoint_every_steps: int = 250
+    sample_every_steps: int = 500  # 0: only at the end
+    grid_images: int = 6  # conditioning images in the sample grid
+    grid_samples: int = 4  # samples per conditioning image
+    grid_mask_ratio: float = 0.7
+    progress_bar: bool = True
+
+
+@dataclass
+class RCDMConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cond: CondConfig = field(default_factory=CondConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RCDMConfig:
+    """Defaults, then the YAML file, then ``key=value`` overrides (values parsed as YAML)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        _set_nested(raw, key.strip().split("."), yaml.safe_load(value))
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RCDMConfig:
+    cfg = _build(RCDMConfig, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RCDMConfig) -> None:
+    m, d, c = cfg.model, cfg.diffusion, cfg.cond
+    levels = len(m.block_out_channels)
+    if len(m.attention) != levels:
+        raise ConfigError(f"model.attention has {len(m.attention)} entries, block_out_channels {levels}")
+    if m.image_size % 2 ** (levels - 1):
+        raise ConfigError(f"model.image_size={m.image_size} must be divisible by 2**{levels - 1}")
+    if any(ch % m.norm_num_groups for ch in m.block_out_channels):
+        raise ConfigError(f"model.block_out_channels must be multiples of norm_num_groups={m.norm_num_groups}")
+    if d.beta_schedule not in ("linear", "squaredcos_cap_v2"):
+        raise ConfigError(f"diffusion.beta_schedule={d.beta_schedule!r}: expected linear or squaredcos_cap_v2")
+    if d.sampler not in ("ddim", "ddpm"):
+        raise ConfigError(f"diffusion.sampler={d.sampler!r}: expected ddim or ddpm")
+    if not 1 <= d.sample_steps <= d.num_train_timesteps:
+        raise ConfigError(f"diffusion.sample_steps must be in [1, {d.num_train_timesteps}]")
+    if not 0.0 <= d.cond_drop_prob < 1.0:
+        raise ConfigError("diffusion.cond_drop_prob must be in [0, 1)")
+    if not (0.0 <= c.mask_ratio_min <= c.mask_ratio_max < 1.0 and 0.0 <= c.mask_prob <= 1.0):
+        raise ConfigError("cond: need 0 <= mask_ratio_min <= mask_ratio_max < 1 and mask_prob in [0, 1]")
+    if c.backend not in ("torch", "onnx"):
+        raise ConfigError(f"cond.backend={c.backend!r}: expected torch or onnx")
+    if cfg.data.source not in ("fashion-mnist", "image_folder", "synthetic"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: expected fashion-mnist, image_folder or synthetic")
+    if cfg.data.source == "image_folder" and not cfg.data.root:
+        raise ConfigError("data.root is required when data.source=image_folder (--data-root DIR)")
+    if cfg.run.precision not in ("auto", "fp32", "bf16") or cfg.run.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("run.precision must be auto|fp32|bf16 and run.device auto|cpu|cuda")
+    if not 0.0 <= cfg.run.grid_mask_ratio < 1.0:
+        raise ConfigError("run.grid_mask_ratio must be in [0, 1)")
+
+
+def dump_config(cfg: RCDMConfig, path: str | Path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

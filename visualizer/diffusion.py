@@ -1,0 +1,135 @@
+"""DDPM training (epsilon prediction, optional learned variance with RCDM's hybrid loss) and sampling.
+
+Noise schedules and the sampling steps are diffusers' ``DDPMScheduler`` / ``DDIMScheduler``. The variational-bound
+half of the hybrid loss (Nichol & Dhariwal, used by ADM and RCDM with ``learn_sigma``) is not in diffusers and is
+written here: the KL between the true posterior q(x_{t-1} | x_t, x_0) and the model's Gaussian, in bits per
+dimension, with the model mean detached so the bound trains only the variance; at t = 0 it is the discretised
+Gaussian negative log-likelihood of the data.
+
+Training draws timesteps and noise from torch's default generator (checkpointed, so resume is exact); sampling
+takes its own ``torch.Generator`` so that a seed fixes the samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDIMScheduler, DDPMScheduler
+from torch import Tensor, nn
+
+from visualizer.config import DiffusionConfig
+
+__all__ = ["Diffusion", "discretized_gaussian_log_likelihood", "normal_kl"]
+
+
+def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:
+    """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)), elementwise, in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def discretized_gaussian_log_likelihood(x: Tensor, mean: Tensor, log_scale: Tensor) -> Tensor:
+    """log P(x) of 8-bit data in [-1, 1] under a Gaussian integrated over each pixel's bin (edges open)."""
+    inv_std = torch.exp(-log_scale)
+    cdf_plus = torch.special.ndtr(inv_std * (x - mean + 1.0 / 255))
+    cdf_min = torch.special.ndtr(inv_std * (x - mean - 1.0 / 255))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_delta))
+
+
+class Diffusion:
+    """Noise schedule, training loss and samplers for one :class:`~visualizer.decoder.RCDMDecoder`."""
+
+    def __init__(self, cfg: DiffusionConfig, *, learn_sigma: bool) -> None:
+        self.cfg, self.learn_sigma = cfg, learn_sigma
+        common = {"num_train_timesteps": cfg.num_train_timesteps, "beta_schedule": cfg.beta_schedule,
+                  "beta_start": 1e-4, "beta_end": 0.02, "prediction_type": "epsilon", "clip_sample": True,
+                  "timestep_spacing": "trailing"}  # trailing: few-step sampling starts at t = T-1
+        self.ddpm = DDPMScheduler(variance_type="learned_range" if learn_sigma else "fixed_small", **common)
+        self.ddim = DDIMScheduler(set_alpha_to_one=True, **common)
+        betas = self.ddpm.betas.double()
+        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        prev = torch.cat([alphas_cumprod.new_ones(1), alphas_cumprod[:-1]])
+        posterior_var = betas * (1.0 - prev) / (1.0 - alphas_cumprod)
+        self._tables = {
+            "sqrt_ac": alphas_cumprod.sqrt(),
+            "sqrt_1m_ac": (1.0 - alphas_cumprod).sqrt(),
+            "coef_x0": betas * prev.sqrt() / (1.0 - alphas_cumprod),
+            "coef_xt": (1.0 - prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
+            "log_var_min": torch.log(torch.cat([posterior_var[1:2], posterior_var[1:]])),  # clipped at t=0
+            "log_var_max": torch.log(betas),
+        }
+
+    def _at(self, name: str, t: Tensor) -> Tensor:
+        return self._tables[name].to(t.device)[t].float()[:, None, None, None]
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def loss(self, model: nn.Module, x0: Tensor, feat: Tensor, drop: Tensor | None = None) -> tuple[Tensor, dict]:
+        """Epsilon MSE (+ ``vb_weight`` x VB term when the variance is learned) on uniform timesteps."""
+        t = torch.randint(0, self.cfg.num_train_timesteps, (x0.shape[0],), device=x0.device)
+        noise = torch.randn_like(x0)
+        x_t = self._at("sqrt_ac", t) * x0 + self._at("sqrt_1m_ac", t) * noise
+        out = model(x_t, t, feat, drop).float()
+        eps = out[:, :3]
+        mse = F.mse_loss(eps, noise)
+        stats = {"mse": mse.item()}
+        if not self.learn_sigma:
+            return mse, stats
+        vb = self._vb_bits(out[:, 3:], eps.detach(), x0, x_t, t)
+        stats["vb"] = vb.item()
+        return mse + self.cfg.vb_weight * vb, stats
+
+    def _vb_bits(self, v: Tensor, eps: Tensor, x0: Tensor, x_t: Tensor, t: Tensor) -> Tensor:
+        true_mean = self._at("coef_x0", t) * x0 + self._at("coef_xt", t) * x_t
+        true_log_var = self._at("log_var_min", t)
+        x0_pred = (x_t - self._at("sqrt_1m_ac", t) * eps) / self._at("sqrt_ac", t)
+        model_mean = self._at("coef_x0", t) * x0_pred + self._at("coef_xt", t) * x_t
+        frac = (v + 1.0) / 2.0  # learned_range: interpolate log-variance between beta~_t and beta_t
+        model_log_var = frac * self._at("log_var_max", t) + (1.0 - frac) * true_log_var
+        kl = normal_kl(true_mean, true_log_var.expand_as(x0), model_mean, model_log_var).mean(dim=(1, 2, 3))
+        nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var).mean(dim=(1, 2, 3))
+        return (torch.where(t == 0, nll, kl) / math.log(2.0)).mean()
+
+    # ------------------------------------------------------------------------------------------- sampling
+
+    @torch.no_grad()
+    def sample(self, model: nn.Module, feat: Tensor, *, image_size: int, steps: int | None = None,
+               sampler: str | None = None, guidance_scale: float | None = None,
+               generator: torch.Generator | None = None) -> Tensor:
+        """One image per row of ``feat`` (B, D), in [-1, 1], shape (B, 3, S, S).
+
+        ``sampler``: ``ddim`` (deterministic, eta 0) or ``ddpm`` (ancestral, learned variance if trained);
+        ``guidance_scale`` > 1 mixes in the null-conditioned prediction (classifier-free guidance).
+        """
+        steps = steps or self.cfg.sample_steps
+        sampler = sampler or self.cfg.sampler
+        scale = self.cfg.guidance_scale if guidance_scale is None else guidance_scale
+        if sampler not in ("ddim", "ddpm"):
+            raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
+        if not 1 <= steps <= self.cfg.num_train_timesteps:
+            raise ValueError(f"steps must be in [1, {self.cfg.num_train_timesteps}], got {steps}")
+        base = self.ddim if sampler == "ddim" else self.ddpm
+        scheduler = type(base).from_config(base.config)  # a private copy: concurrent requests set other steps
+        scheduler.set_timesteps(steps)
+        device, batch = feat.device, feat.shape[0]
+        x = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+        guided = scale != 1.0
+        if guided:
+            feat = torch.cat([feat, feat])
+            drop = torch.cat([torch.zeros(batch, dtype=torch.bool), torch.ones(batch, dtype=torch.bool)]).to(device)
+        for t in scheduler.timesteps:
+            t_batch = torch.full((feat.shape[0],), int(t), device=device, dtype=torch.long)
+            out = model(torch.cat([x, x]) if guided else x, t_batch, feat, drop if guided else None).float()
+            if guided:
+                cond, uncond = out.chunk(2)
+                out = torch.cat([uncond[:, :3] + scale * (cond[:, :3] - uncond[:, :3]), cond[:, 3:]], dim=1)
+            if sampler == "ddim":
+                x = scheduler.step(out[:, :3], t, x, eta=0.0).prev_sample
+            else:
+                model_out = out if self.learn_sigma else out[:, :3]
+                x = scheduler.step(model_out, t, x, generator=generator).prev_sample
+        return x.clamp(-1.0, 1.0)

@@ -1,0 +1,122 @@
+"""Frozen MSN features from an exported bundle, with optional patch masking.
+
+The encoder is the bundle's torch trunk (``encoder.safetensors``) or its ONNX graph (``model.onnx`` under ONNX
+Runtime); either way the image goes through the bundle's own preprocessing (resize, centre crop, mean/std) and the
+bundle's feature is returned. Masks are kept-patch indices in row-major patch order; a batch may mix samples that
+keep different numbers of patches (padded indices plus ``keep_mask``, which gives the same CLS as unpadded).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from training.masking import num_kept
+from training.views import eval_transform
+
+__all__ = ["FrozenEncoder", "random_keep", "to_uint8"]
+
+
+def to_uint8(images: Tensor) -> Tensor:
+    """[-1, 1] float images -> uint8 (B, 3, H, W) on the CPU."""
+    return ((images.detach().float().cpu().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+
+
+def random_keep(batch: int, num_patches: int, ratios: Tensor | list[float],
+                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Per-sample random masks at per-sample ratios -> ``(keep_idx (B, Kmax), keep_mask (B, Kmax))``.
+
+    Rows keeping fewer than ``Kmax`` patches are padded with index 0 and ``keep_mask`` False.
+    """
+    ratios = torch.as_tensor(ratios, dtype=torch.float64).flatten().tolist()
+    if len(ratios) != batch:
+        raise ValueError(f"{len(ratios)} ratios for a batch of {batch}")
+    keeps = [num_kept(num_patches, r) for r in ratios]
+    width = max(keeps)
+    keep_idx = torch.zeros(batch, width, dtype=torch.int64)
+    keep_mask = torch.zeros(batch, width, dtype=torch.bool)
+    for row, keep in enumerate(keeps):
+        perm = torch.randperm(num_patches, generator=generator)[:keep].sort().values
+        keep_idx[row, :keep], keep_mask[row, :keep] = perm, True
+    return keep_idx, keep_mask
+
+
+class FrozenEncoder:
+    """``embed(images_uint8, keep_idx=None, keep_mask=None) -> (B, D)`` float32 features on ``device``."""
+
+    def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu"):
+        from training.export import load_bundle
+
+        self.bundle_dir = Path(bundle_dir)
+        self.backend, self.device = backend, torch.device(device)
+        encoder, self.meta = load_bundle(self.bundle_dir)
+        self.feature = self.meta.get("feature", "cls_pre_norm")
+        self.model_id = self.meta.get("model_id", self.bundle_dir.name)
+        prep = self.meta["preprocessing"]
+        self.transform = {k: prep[k] for k in ("resize", "crop", "mean", "std")}
+        self.patch_size = int(self.meta["architecture"]["patch_size"])
+        self.grid = int(prep["crop"]) // self.patch_size
+        self.num_patches = self.grid**2
+        self.dim = int(self.meta["architecture"]["embed_dim"])
+        self.encoder = self.session = None
+        if backend == "torch":
+            self.encoder = encoder.to(self.device).eval().requires_grad_(False)
+        elif backend == "onnx":
+            import onnxruntime as ort
+
+            providers = ["CUDAExecutionProvider"] if self.device.type == "cuda" else []
+            self.session = ort.InferenceSession(str(self.bundle_dir / "model.onnx"),
+                                                providers=providers + ["CPUExecutionProvider"])
+            self.onnx_inputs = {i.name for i in self.session.get_inputs()}
+        else:
+            raise ValueError(f"backend must be 'torch' or 'onnx', got {backend!r}")
+
+    @property
+    def crop(self) -> int:
+        return int(self.transform["crop"])
+
+    def preprocess(self, images_uint8: Tensor) -> Tensor:
+        """The bundle's evaluation preprocessing: uint8 (B, 3, H, W) -> normalised float (B, 3, crop, crop)."""
+        return eval_transform(images_uint8.to(self.device), **self.transform)
+
+    def model_view(self, images_uint8: Tensor) -> Tensor:
+        """What the encoder sees, as uint8 (resize + centre crop, no normalisation): for display."""
+        view = eval_transform(images_uint8.cpu(), resize=self.transform["resize"], crop=self.crop,
+                              mean=[0.0] * 3, std=[1.0] * 3)
+        return (view * 255).round().to(torch.uint8)
+
+    @torch.no_grad()
+    def embed(self, images_uint8: Tensor, keep_idx: Tensor | None = None, keep_mask: Tensor | None = None) -> Tensor:
+        pixels = self.preprocess(images_uint8)
+        batch = pixels.shape[0]
+        if keep_idx is not None and keep_idx.dim() == 1:
+            keep_idx = keep_idx.expand(batch, -1)
+        if self.encoder is not None:
+            keep_idx = None if keep_idx is None else keep_idx.to(self.device)
+            keep_mask = None if keep_mask is None else keep_mask.to(self.device)
+            pre, post = self.encoder(pixels.float(), keep_idx, keep_mask)
+            return (pre if self.feature == "cls_pre_norm" else post).float()
+        if keep_idx is None:
+            keep_idx = torch.arange(self.num_patches).expand(batch, -1)
+        feeds = {"pixel_values": pixels.float().cpu().numpy(), "keep_idx": keep_idx.cpu().numpy().astype(np.int64)}
+        if "keep_mask" in self.onnx_inputs:
+            mask = torch.ones(keep_idx.shape, dtype=torch.bool) if keep_mask is None else keep_mask
+            feeds["keep_mask"] = mask.cpu().numpy()
+        elif keep_mask is not None and not bool(keep_mask.all()):
+            raise ValueError("this bundle's ONNX graph has no keep_mask input: use the torch backend")
+        return torch.from_numpy(self.session.run(["embedding"], feeds)[0]).to(self.device)
+
+    def embed_masked_batch(self, images_uint8: Tensor, *, mask_prob: float, ratio_min: float, ratio_max: float,
+                           generator: torch.Generator | None = None) -> Tensor:
+        """Training conditioning: each image is masked with probability ``mask_prob`` at a U[min, max] ratio."""
+        batch = images_uint8.shape[0]
+        masked = torch.rand(batch, generator=generator) < mask_prob
+        ratios = masked * (ratio_min + (ratio_max - ratio_min) * torch.rand(batch, generator=generator))
+        if not bool(masked.any()):
+            return self.embed(images_uint8)
+        keep_idx, keep_mask = random_keep(batch, self.num_patches, ratios, generator)
+        return self.embed(images_uint8, keep_idx, keep_mask)

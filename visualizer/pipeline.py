@@ -1,0 +1,112 @@
+"""Load a trained decoder next to its bundle and sample images from a (masked) picture.
+
+``RCDMPipeline.from_dirs(bundle, decoder_run)`` reads the run's ``checkpoint.pt`` (EMA weights, config) and the
+bundle; ``pipeline.sample(image, keep_idx, num_samples=8)`` returns uint8 samples, one conditioning vector repeated
+``num_samples`` times, as RCDM does, so what varies between samples is what the representation does not fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from visualizer.config import RCDMConfig, config_from_dict
+from visualizer.decoder import RCDMDecoder
+from visualizer.diffusion import Diffusion
+from visualizer.features import FrozenEncoder, to_uint8
+
+__all__ = ["CHECKPOINT_FORMAT", "RCDMPipeline", "load_image", "load_run", "resolve_checkpoint"]
+
+log = logging.getLogger("msn.visualize")
+CHECKPOINT_FORMAT = "rcdm-decoder-checkpoint"
+CHECKPOINT_VERSION = 1
+MAX_PIXELS = 40_000_000
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path = path / "checkpoint.pt" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no decoder checkpoint at {path} (train one with `msn-visualize train`)")
+    return path
+
+
+def load_run(path: str | os.PathLike) -> dict:
+    """A decoder checkpoint (``RUN_DIR`` or ``RUN_DIR/checkpoint.pt``), checked for format."""
+    path = resolve_checkpoint(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not an RCDM decoder checkpoint (format {CHECKPOINT_FORMAT!r})")
+    if state.get("format_version", 0) > CHECKPOINT_VERSION:
+        raise ValueError(f"{path} was written by a newer version (format_version={state['format_version']})")
+    return state
+
+
+def load_image(path: str | os.PathLike, min_size: int = 1) -> torch.Tensor:
+    """Decode an image file as uint8 RGB (1, 3, H, W); raises ValueError with a readable reason."""
+    try:
+        with Image.open(path) as image:
+            if image.width * image.height > MAX_PIXELS:
+                raise ValueError(f"image is {image.width}x{image.height}: more than {MAX_PIXELS // 10**6} MP")
+            image.load()
+            rgb = image.convert("RGB")
+    except (OSError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise ValueError(f"cannot read {Path(path).name} as an image ({type(exc).__name__}: {exc})") from None
+    if min(rgb.size) < min_size:
+        raise ValueError(f"image is {rgb.width}x{rgb.height}; the model needs at least {min_size} px per side")
+    return torch.from_numpy(np.array(rgb, dtype=np.uint8)).permute(2, 0, 1).unsqueeze(0).contiguous()
+
+
+@dataclass
+class RCDMPipeline:
+    encoder: FrozenEncoder
+    decoder: RCDMDecoder
+    diffusion: Diffusion
+    config: RCDMConfig
+    step: int
+    name: str
+
+    @classmethod
+    def from_dirs(cls, bundle: str | os.PathLike, decoder: str | os.PathLike, *, device: str = "cpu",
+                  backend: str | None = None, name: str | None = None) -> RCDMPipeline:
+        state = load_run(decoder)
+        cfg = config_from_dict(state["config"])
+        encoder = FrozenEncoder(bundle, backend=backend or cfg.cond.backend, device=device)
+        trained_on = state.get("bundle", {}).get("model_id")
+        if trained_on and trained_on != encoder.model_id:
+            log.warning("decoder %s was trained on bundle %s, not %s: samples may be meaningless",
+                        decoder, trained_on, encoder.model_id)
+        if int(state["cond_dim"]) != encoder.dim:
+            raise ValueError(f"decoder expects {state['cond_dim']}-d features; the bundle gives {encoder.dim}-d")
+        net = RCDMDecoder(cfg.model, encoder.dim)
+        net.load_state_dict(state["ema"])
+        net.to(device).eval().requires_grad_(False)
+        diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
+        return cls(encoder, net, diffusion, cfg, int(state["step"]), name or Path(bundle).name)
+
+    @property
+    def image_size(self) -> int:
+        return self.decoder.image_size
+
+    def sample(self, image_uint8: torch.Tensor, keep_idx: torch.Tensor | None = None, *, num_samples: int = 4,
+               steps: int | None = None, guidance_scale: float | None = None, sampler: str | None = None,
+               seed: int = 0) -> torch.Tensor:
+        """uint8 (num_samples, 3, S, S) samples conditioned on one image (1, 3, H, W) and its kept patches."""
+        feat = self.encoder.embed(image_uint8[:1], keep_idx)
+        return self.sample_from_features(feat.expand(num_samples, -1), steps=steps, guidance_scale=guidance_scale,
+                                         sampler=sampler, seed=seed)
+
+    def sample_from_features(self, feat: torch.Tensor, *, steps: int | None = None,
+                             guidance_scale: float | None = None, sampler: str | None = None,
+                             seed: int = 0) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        images = self.diffusion.sample(self.decoder, feat.to(self.encoder.device), image_size=self.image_size,
+                                       steps=steps, sampler=sampler, guidance_scale=guidance_scale,
+                                       generator=generator)
+        return to_uint8(images)

@@ -1,0 +1,213 @@
+"""Train an RCDM decoder on a frozen MSN bundle.
+
+    msn-visualize train --bundle B --data fashion-mnist --config configs/rcdm_fmnist_32.yaml --output-dir runs/rcdm
+    torchrun --nproc_per_node=N -m visualizer.cli train ...      # DDP, one process per GPU (gloo on CPU)
+
+Per step: decode a batch, flip it (the same flip for both views), embed it with the frozen encoder (masked at a
+random ratio for ``cond.mask_prob`` of the images), and train the UNet to denoise the decoder-resolution image given
+that embedding. Rank 0 keeps an EMA of the weights, logs ``metrics.jsonl``, writes ``samples/step_XXXXXX.png``
+(original | masked | samples) and an atomic ``checkpoint.pt`` that resumes bit-exactly (weights, EMA, optimiser,
+position in the epoch and every rank's RNG streams).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from training import distributed as dist
+from training.checkpoint import atomic_write_bytes, capture_rng_state, restore_rng_state
+from training.data import build_dataset, build_loader
+from training.views import eval_transform
+from visualizer.config import RCDMConfig, dump_config
+from visualizer.decoder import RCDMDecoder
+from visualizer.diffusion import Diffusion
+from visualizer.features import FrozenEncoder, random_keep
+from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
+from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
+
+__all__ = ["decoder_targets", "ema_update", "train"]
+
+log = logging.getLogger("msn.visualize")
+
+
+def decoder_targets(images_uint8: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 images -> decoder-resolution targets in [-1, 1] (shorter side resized, centre crop)."""
+    return eval_transform(images_uint8, resize=size, crop=size, mean=[0.5] * 3, std=[0.5] * 3)
+
+
+@torch.no_grad()
+def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+        e.lerp_(p.detach(), 1.0 - decay)
+    for e, b in zip(ema.buffers(), model.buffers(), strict=True):
+        e.copy_(b)
+
+
+def _gather(obj: object, world_size: int) -> list:
+    if world_size == 1:
+        return [obj]
+    out: list = [None] * world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _grid_batch(cfg: RCDMConfig, load_size: int) -> torch.Tensor:
+    """Fixed conditioning images for the sample grids: spread over the held-out split (or the train split)."""
+    split = "val" if cfg.data.source == "image_folder" else "test"
+    try:
+        data = build_dataset(cfg.data.source, root=cfg.data.root, split=split, load_size=load_size,
+                             synthetic_size=max(cfg.run.grid_images, 16))
+    except (FileNotFoundError, ValueError):
+        data = build_dataset(cfg.data.source, root=cfg.data.root, split="train", load_size=load_size)
+    picks = torch.linspace(0, len(data) - 1, cfg.run.grid_images).round().long().tolist()
+    return torch.stack([data[i][0] for i in picks])
+
+
+def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEncoder,
+                      images: torch.Tensor, cfg: RCDMConfig) -> None:
+    """One row per image: original (decoder size), masked encoder view, ``grid_samples`` samples."""
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    keep_idx, keep_mask = random_keep(len(images), encoder.num_patches, [cfg.run.grid_mask_ratio] * len(images),
+                                      generator)
+    feat = encoder.embed(images, keep_idx, keep_mask).repeat_interleave(cfg.run.grid_samples, dim=0)
+    was_training = decoder.training
+    decoder.eval()
+    samples = diffusion.sample(decoder, feat, image_size=cfg.model.image_size, generator=generator)
+    decoder.train(was_training)
+    samples = ((samples.cpu() + 1) * 127.5).round().to(torch.uint8)
+    originals = ((decoder_targets(images, cfg.model.image_size) + 1) * 127.5).round().to(torch.uint8)
+    views = encoder.model_view(images)
+    rows = []
+    for i in range(len(images)):
+        masked = masked_view(to_hwc(views[i]), bitmap_from_keep_idx(keep_idx[i][keep_mask[i]], encoder.grid))
+        row_samples = samples[i * cfg.run.grid_samples:(i + 1) * cfg.run.grid_samples]
+        rows.append([to_hwc(originals[i]), masked] + [to_hwc(s) for s in row_samples])
+    save_grid(rows, path, cell=max(64, cfg.model.image_size))
+
+
+def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume: bool = False,
+          info: dist.DistInfo | None = None) -> dict:
+    """Run (or continue) training until ``optim.max_steps``; returns the last logged metrics."""
+    info = info or dist.init_distributed(cfg.run.device)
+    device, is_main = info.device, info.rank == 0
+    output_dir = Path(output_dir)
+    checkpoint_path = output_dir / "checkpoint.pt"
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, output_dir / "config.yaml")
+    torch.manual_seed(cfg.run.seed + info.rank)
+    mask_generator = torch.Generator().manual_seed(cfg.run.seed + 7919 * (info.rank + 1))
+
+    encoder = FrozenEncoder(bundle, backend=cfg.cond.backend, device=device)
+    load_size = cfg.data.load_size or max(cfg.model.image_size, int(encoder.transform["resize"]))
+    dataset = build_dataset(cfg.data.source, root=cfg.data.root, split="train", load_size=load_size,
+                            synthetic_size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    loader, sampler = build_loader(dataset, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
+                                   rank=info.rank, world_size=info.world_size, seed=cfg.run.seed,
+                                   pin_memory=device.type == "cuda")
+    steps_per_epoch = len(loader)
+
+    decoder = RCDMDecoder(cfg.model, encoder.dim).to(device)
+    ema = copy.deepcopy(decoder).requires_grad_(False)
+    diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
+    optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+
+    step = epoch = batch_in_epoch = 0
+    if resume and checkpoint_path.exists():
+        state = load_run(checkpoint_path)
+        if state["bundle"]["model_id"] != encoder.model_id:
+            raise ValueError(f"{checkpoint_path} was trained on bundle {state['bundle']['model_id']}, "
+                             f"not {encoder.model_id}: use another --output-dir")
+        decoder.load_state_dict(state["decoder"])
+        ema.load_state_dict(state["ema"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        if state["world_size"] == info.world_size and state["steps_per_epoch"] == steps_per_epoch:
+            restore_rng_state(state["rng"][info.rank], mask_generator)
+        else:
+            log.warning("resuming with another world size or batch size: continuing, but not bit-exactly")
+            torch.manual_seed(cfg.run.seed + info.rank + step)
+        log.info("resumed from %s at step %d", checkpoint_path, step)
+
+    model: nn.Module = decoder
+    if info.world_size > 1:
+        model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
+    use_bf16 = cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+    grid_images = _grid_batch(cfg, load_size) if is_main else None
+    total = cfg.optim.max_steps
+    bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True,
+               disable=not (is_main and cfg.run.progress_bar))
+    if is_main:
+        params = sum(p.numel() for p in decoder.parameters()) / 1e6
+        bar.write(f"RCDM decoder: {params:.2f}M parameters, {len(dataset)} images, {steps_per_epoch} steps/epoch, "
+                  f"world size {info.world_size}, device {device}, conditioning on {encoder.model_id}")
+
+    def save() -> None:
+        rng = _gather(capture_rng_state(mask_generator), info.world_size)
+        if is_main:
+            state = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "config": cfg.to_dict(),
+                     "cond_dim": encoder.dim, "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
+                     "decoder": decoder.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
+                     "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                     "steps_per_epoch": steps_per_epoch, "world_size": info.world_size, "rng": rng}
+            atomic_write_bytes(checkpoint_path, lambda f: torch.save(state, f))
+
+    record: dict = {}
+    while step < total:
+        sampler.set_epoch(epoch)
+        sampler.set_start_index(batch_in_epoch * cfg.data.batch_size)
+        for images, _labels, _skipped in loader:
+            if cfg.data.hflip:
+                flip = torch.rand(images.shape[0]) < 0.5
+                images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+            feat = encoder.embed_masked_batch(images, mask_prob=cfg.cond.mask_prob, ratio_min=cfg.cond.mask_ratio_min,
+                                              ratio_max=cfg.cond.mask_ratio_max, generator=mask_generator)
+            x0 = decoder_targets(images, cfg.model.image_size).to(device, non_blocking=True)
+            drop = None
+            if cfg.diffusion.cond_drop_prob > 0:
+                drop = (torch.rand(images.shape[0]) < cfg.diffusion.cond_drop_prob).to(device)
+            lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with autocast():
+                loss, stats = diffusion.loss(model, x0, feat, drop)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(decoder.parameters(), cfg.optim.clip_grad)
+            optimizer.step()
+            ema_update(ema, decoder, min(cfg.optim.ema_decay, (1 + step) / (10 + step)))
+            step += 1
+            batch_in_epoch += 1
+            bar.update(1)
+            if batch_in_epoch == steps_per_epoch:
+                epoch, batch_in_epoch = epoch + 1, 0
+            if is_main and (step % cfg.run.log_every_steps == 0 or step == total):
+                record = {"step": step, "epoch": epoch, "loss": loss.item(), **stats, "lr": lr,
+                          "grad_norm": float(grad_norm)}
+                with open(output_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                bar.set_postfix(loss=f"{record['loss']:.4f}")
+            sample_every = cfg.run.sample_every_steps
+            if is_main and ((sample_every and step % sample_every == 0) or step == total):
+                grid = output_dir / "samples" / f"step_{step:06d}.png"
+                write_sample_grid(grid, ema, diffusion, encoder, grid_images, cfg)
+            if step % cfg.run.checkpoint_every_steps == 0 or step == total:
+                save()
+            if step >= total or batch_in_epoch == 0:
+                break
+    bar.close()
+    dist.barrier()
+    return record
