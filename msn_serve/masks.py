@@ -4,7 +4,8 @@ MSN encodes a masked view by *dropping* patch tokens, so every mask form resolve
 indices of the patches the encoder sees. Forms (JSON):
 
 * ``null`` / absent: all patches.
-* ``{"ratio": r, "seed": s}``: drop ``round(r*N)`` random patches (0 <= r < 1); same seed -> same mask.
+* ``{"ratio": r, "seed": s}``: keep ``max(1, int(N*(1-r)))`` random patches (0 <= r < 1), the count the
+  official code and training use; same seed -> same mask.
 * ``{"focal": {"size": [h, w] | s, "top": t, "left": l}}``: keep one block (centred if top/left omitted).
 * ``{"keep_idx": [i, ...]}``: explicit kept indices (unique, in range).
 * ``{"bitmap": [[1, 0, ...], ...]}``: grid x grid of 0/1, 1 = patch kept (visible), 0 = dropped.
@@ -66,9 +67,7 @@ def _ratio(spec: dict, grid: int, n: int) -> np.ndarray:
     seed = spec.get("seed")
     if seed is not None and (not _is_int(seed) or seed < 0):
         raise unprocessable(f"mask.seed: expected a non-negative integer, got {seed!r}")
-    keep = n - round(r * n)
-    if keep < 1:
-        raise unprocessable(f"mask.ratio: {r} keeps no patch of the {grid}x{grid} grid")
+    keep = max(1, int(n * (1.0 - r)))  # as training.masking.num_kept (msn_serve cannot import training)
     rng = np.random.default_rng(seed)
     return np.sort(rng.permutation(n)[:keep]).astype(np.int64)
 
