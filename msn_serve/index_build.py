@@ -297,7 +297,7 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                             "faiss": faiss.__version__, "threads": faiss.omp_get_max_threads()}
     if plan.type in IVF_TYPES:
         need = max(39 * plan.nlist, 39 * 256 if plan.type == "ivfpq" else 0)
-        held_out = n - nq >= min(need, 64 * plan.nlist)
+        held_out = n - nq >= max(plan.nlist, 256 if plan.type == "ivfpq" else 1)  # else too few to train on
         pool = perm[nq:] if held_out else perm
         # ~64 points per list (autofaiss uses ~100), the transient sample capped at max(budget / 4, 1 GB)
         ntrain = min(len(pool), max(need, 64 * plan.nlist), int(max(args.memory_budget_gb * GB / 4, GB) // (4 * d)))

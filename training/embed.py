@@ -5,7 +5,8 @@ process). The corpus is the sorted file list of an ImageFolder tree (or any dire
 text file; image *i* of that list gets id *i*, so ids do not depend on the number of ranks or on restarts. The
 list is cut into shards of ``--shard-size`` consecutive images and shard *s* goes to rank ``s % world_size``.
 
-Per shard ``OUT/shard-SSSSS.{emb.npy,ids.npy,paths.jsonl}`` are written through temporary files (fsync + rename)
+Per shard ``OUT/shard-SSSSS.{emb.npy,ids.npy,paths.jsonl}`` (paths relative to ``--data`` for directories, as
+written for file lists) are written through temporary files (fsync + rename)
 and then ``shard-SSSSS.json`` commits it; a restart skips every committed shard, so a killed job loses at most one
 shard per rank. Unreadable images are skipped (no embedding, no id) and listed in the shard's JSON. Rank 0 finally
 writes ``manifest.json`` (model id, dim, shards, counts), which is what ``msn-index build`` reads.
@@ -13,6 +14,7 @@ writes ``manifest.json`` (model id, dim, shards, counts), which is what ``msn-in
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -71,7 +73,8 @@ def atomic_json(path: Path, obj: Any) -> None:
 
 
 def list_corpus(data: Path) -> list[tuple[str, str | None]]:
-    """``[(path, label or None)]`` in id order: an ImageFolder tree, a plain image directory, or a file list."""
+    """``[(path, label or None)]`` in id order: an ImageFolder tree or a plain image directory (paths relative to
+    ``data``, so the listing does not depend on the working directory), or a file list (paths as written)."""
     if data.is_file():
         lines = [ln.strip() for ln in data.read_text(encoding="utf-8").splitlines()]
         items = [(ln, None) for ln in lines if ln and not ln.startswith("#")]
@@ -82,17 +85,17 @@ def list_corpus(data: Path) -> list[tuple[str, str | None]]:
         raise FileNotFoundError(f"--data {data}: neither an image directory nor a file list")
     if any(e.is_dir() for e in os.scandir(data)):
         ds = ImageFolderDataset(data, load_size=1)  # only its sorted file listing is used
-        return [(str(data / rel), ds.classes[label]) for rel, label in ds.samples]
-    files = sorted(p for p in data.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+        return [(os.path.normpath(rel), ds.classes[label]) for rel, label in ds.samples]
+    files = sorted(p.name for p in data.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
     if not files:
         raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {data}")
-    return [(str(p), None) for p in files]
+    return [(name, None) for name in files]
 
 
 class _Images(Dataset):
     """Decodes one file to uint8 (3, S, S); a failure is returned (not raised) so the shard can count it."""
 
-    def __init__(self, paths: list[str], first_id: int, size: int):
+    def __init__(self, paths: list[Path], first_id: int, size: int):
         self.paths, self.first_id, self.size = paths, first_id, size
 
     def __len__(self) -> int:
@@ -131,7 +134,8 @@ def embed_shard(out: Path, s: int, items: list[tuple[str, str | None]], first_id
                 args: argparse.Namespace, bar) -> dict:
     """Embed one shard and commit it; returns the shard record written to ``shard-SSSSS.json``."""
     crop, num_patches = int(pre["crop"]), (int(pre["crop"]) // embedder.patch_size) ** 2
-    ds = _Images([p for p, _ in items], first_id, int(pre["resize"]))
+    base = args.data if args.data.is_dir() else Path()
+    ds = _Images([base / p for p, _ in items], first_id, int(pre["resize"]))
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, collate_fn=_collate)
     chunks, ids, skipped = [], [], []
     for batch_ids, images, bad in loader:
@@ -173,12 +177,16 @@ def _shard_done(out: Path, s: int, n_files: int) -> dict | None:
     return rec
 
 
+IDENTITY = ("model_id", "bundle_sha256", "feature", "backend", "num_files", "files_sha256", "shard_size")
+
+
 def _check_run(out: Path, run: dict) -> None:
-    """Refuse to mix shards of two different runs (other bundle, corpus or shard size) in one directory."""
+    """Refuse to mix shards of two different runs (other weights, backend, corpus or shard size) in one directory;
+    paths are not compared, so the same job may be restarted from another working directory or mount point."""
     path = out / "run.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        diff = sorted(k for k in run if k != "started" and old.get(k) != run[k])
+        diff = sorted(k for k in IDENTITY if old.get(k) != run[k])
         if diff:
             raise SystemExit(f"msn-embed: {out} holds embeddings of a different run (differs in {diff}); "
                              "use a fresh --out directory or delete it")
@@ -241,8 +249,10 @@ def _run(args: argparse.Namespace, dist) -> int:
     meta = read_bundle_config(args.bundle)
     pre = meta["preprocessing"]
     run = {"model_id": meta.get("model_id"), "feature": meta.get("feature", "cls_pre_norm"),
-           "bundle": str(args.bundle), "bundle_sha256": bundle_fingerprint(args.bundle), "backend": args.backend,
-           "source": str(args.data), "num_files": len(items), "shard_size": args.shard_size,
+           "bundle": str(args.bundle.resolve()), "bundle_sha256": bundle_fingerprint(args.bundle),
+           "backend": args.backend, "source": str(args.data.resolve()), "num_files": len(items),
+           "files_sha256": hashlib.sha256("\n".join(p for p, _ in items).encode()).hexdigest(),
+           "shard_size": args.shard_size,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if dist.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ MODES = ("random", "focal", "click")
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
 GRID_PX = 320
 SHOW_PX = 160
+EXAMPLE_PX = 384
 
 
 def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> list[Path]:
@@ -55,7 +56,9 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
             log.info("scikit-image photo %s unavailable: %s", name, exc)
             continue
         path = out_dir / f"{name}.png"
-        Image.fromarray(np.asarray(photo)).convert("RGB").save(path)
+        picture = Image.fromarray(np.asarray(photo)).convert("RGB")
+        picture.thumbnail((EXAMPLE_PX, EXAMPLE_PX), Image.Resampling.LANCZOS)  # models see <= 224 px anyway
+        picture.save(path, compress_level=1)
         paths.append(path)
     return paths
 

@@ -285,6 +285,23 @@ def test_index_build_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([*args, "--name", "dup", "--overwrite"]) == 2 and "unique" in capsys.readouterr().err
 
 
+def test_embed_file_list_in_one_process(bundle: Path, corpus: Path, tmp_path: Path) -> None:
+    """Plain ``python -m training.embed`` (no torchrun) over a file list: ids follow the lines, a missing file is
+    skipped and counted, and the vectors equal the 2-rank run's layout (same preprocessing and graph)."""
+    from training.embed import main
+
+    lines = [str(corpus / "b" / "img_021.png"), str(tmp_path / "missing.png"), str(corpus / "a" / "img_003.png")]
+    (tmp_path / "list.txt").write_text("# corpus\n" + "\n".join(lines) + "\n")
+    out = tmp_path / "emb"
+    assert main(["--bundle", str(bundle), "--data", str(tmp_path / "list.txt"), "--out", str(out),
+                 "--workers", "0", "--threads", "1"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["count"], manifest["skipped"], manifest["num_files"]) == (2, 1, 3)
+    assert np.load(out / "shard-00000.ids.npy").tolist() == [0, 2]
+    rows = [json.loads(line) for line in (out / "shard-00000.paths.jsonl").read_text().splitlines()]
+    assert [r["path"] for r in rows] == [lines[0], lines[2]]
+
+
 def test_embed_rejects_bad_input(tmp_path: Path) -> None:
     from training.embed import list_corpus, main
 
