@@ -44,21 +44,26 @@ def serve_section(report: dict) -> list[str]:
         f"Machine: {machine_line(report['machine'])}. Bundle: `{Path(report['bundle']).name}`. The load generator",
         "runs on the same machine as the server.",
         "",
-        f"ORT vs torch eager, batch {ort['batch']}, {ort['tokens']} tokens, {ort['threads']} threads: "
-        f"{ort['ort_ms_p50']:.1f} ms vs {ort['torch_eager_ms_p50']:.1f} ms per batch (p50), "
-        f"×{ort['speedup_ort_over_torch']:.2f}; max abs difference {ort['max_abs_diff']:.1e}.",
+        (
+            f"ORT vs torch eager, batch {ort['batch']}, {ort['tokens']} tokens, {ort['threads']} threads: "
+            f"{ort['ort_ms_p50']:.1f} ms vs {ort['torch_eager_ms_p50']:.1f} ms per batch (p50), "
+            f"×{ort['speedup_ort_over_torch']:.2f}; max abs difference {ort['max_abs_diff']:.1e}."
+        ),
         "",
         "| single-image clients | images/s | p50 ms | p99 ms |",
         "|---|---|---|---|",
     ]
     for row in report["http"] + [dict(report["http_mixed_masks"], concurrency="16, mixed mask ratios")]:
         lines.append(f"| {row['concurrency']} | {row['images_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |")
-    lines += ["", f"Offline batched (decode + preprocess + ORT in one process): "
-              f"{report['offline_batched']['images_per_s']:.1f} images/s; best HTTP / offline = "
-              f"{report['http_best_vs_offline']:.2f}.", ""]
+    offline = (
+        f"Offline batched (decode + preprocess + ORT in one process): "
+        f"{report['offline_batched']['images_per_s']:.1f} images/s; best HTTP / offline = "
+        f"{report['http_best_vs_offline']:.2f}."
+    )
+    lines += ["", offline, ""]
     if report.get("faiss"):
-        lines += ["FAISS through msn-serve's index store, on synthetic clustered vectors (n/1000 Gaussian clusters, "
-                  "queries are perturbed data points), so IVF recall is optimistic compared with real embeddings.",
+        lines += [("FAISS through msn-serve's index store, on synthetic clustered vectors (n/1000 Gaussian clusters, "
+                   "queries are perturbed data points), so IVF recall is optimistic compared with real embeddings."),
                   "",
                   "| vectors | dim | index | add vectors/s | search QPS (batched) | recall@10 vs exact |",
                   "|---|---|---|---|---|---|"]

@@ -46,8 +46,8 @@ COMMON = ["data.source=synthetic", "data.synthetic_size=4096", "optim.epochs=100
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-        info["cpu"] = model
+        with open("/proc/cpuinfo") as cpuinfo:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
         info["cpu"] = platform.processor()
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,16 @@ def atomic_write_bytes(path: str | Path, write: Any) -> None:
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     state = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, **state}
     atomic_write_bytes(path, lambda f: torch.save(state, f))
+
+
+def copy_checkpoint(source: str | Path, destination: str | Path) -> None:
+    """Atomic copy, e.g. to keep the checkpoint of an epoch beside the rolling ``checkpoint.pt``."""
+
+    def write(f) -> None:
+        with open(source, "rb") as src:
+            shutil.copyfileobj(src, f, length=16 << 20)
+
+    atomic_write_bytes(destination, write)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -45,7 +45,7 @@ class TrainingMonitor:
         self.writer = None
         if not enabled:
             return
-        self.metrics_file = open(output_dir / "metrics.jsonl", "a")
+        self.metrics_file = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115 (open for the whole run)
         if progress_bar:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
         if tensorboard:

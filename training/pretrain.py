@@ -26,13 +26,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training import distributed as dist
-from training.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from training.checkpoint import (
+    capture_rng_state,
+    copy_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from training.config import Config, ConfigError, dump_config, load_config
 from training.data import build_dataset, build_loader, normalization_stats
 from training.losses import MSNLoss
 from training.masking import random_keep_idx
 from training.monitor import TrainingMonitor
-from training.msn import MSNOnline, ProjectedEncoder, build_networks, ema_update, parameter_groups
+from training.msn import build_networks, ema_update, parameter_groups
 from training.schedules import Schedules
 from training.views import MultiViewAugment
 from training.vit import encoder_kwargs
@@ -235,7 +241,7 @@ def train(cfg: Config, info: dist.DistInfo, output_dir: Path, *, resume: bool) -
                 save(epoch, batch_in_epoch)
                 keep_every = cfg.run.keep_epoch_checkpoints
                 if is_main and batch_in_epoch == 0 and keep_every and epoch % keep_every == 0:
-                    save_checkpoint(output_dir / f"checkpoint-ep{epoch:04d}.pt", load_checkpoint(checkpoint_path))
+                    copy_checkpoint(checkpoint_path, output_dir / f"checkpoint-ep{epoch:04d}.pt")
             if step >= total_steps or batch_in_epoch == 0:
                 break
     if skipped_files:

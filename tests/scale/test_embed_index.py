@@ -246,13 +246,13 @@ def test_index_build_tunes_ivfpq_and_loads_mmapped(tmp_path: Path) -> None:
     from msn_serve.index_build import main
     from msn_serve.indexes import ManagedIndex
 
-    x = _synthetic_embeddings(tmp_path / "emb")
+    x = _synthetic_embeddings(tmp_path / "emb", dim=16)
     out = tmp_path / "data" / "indexes" / "pq"
-    # 12k x 32 floats are 1.5 MB: a 1 MB budget forces compression (auto -> IVF-PQ), even below --exact-below.
-    assert main(["build", "--embeddings", str(tmp_path / "emb"), "--out", str(out), "--memory-budget-gb", "0.001",
-                 "--exact-below", "1000", "--queries", "200", "--target-recall", "0.9"]) == 0
+    # 12k x 16 floats need ~0.9 MB even as IVF-Flat: a 0.5 MB budget forces IVF-PQ (auto), even below --exact-below.
+    assert main(["build", "--embeddings", str(tmp_path / "emb"), "--out", str(out), "--memory-budget-gb", "0.0005",
+                 "--exact-below", "1000", "--queries", "200", "--target-recall", "0.9", "--threads", "1"]) == 0
     info = json.loads((out / "build_info.json").read_text())
-    assert info["plan"]["type"] == "ivfpq" and info["plan"]["pq_m"] == 32 and info["plan"]["nlist"] == 256
+    assert info["plan"]["type"] == "ivfpq" and info["plan"]["pq_m"] == 16 and info["plan"]["nlist"] == 256
     assert info["recall_at_k"] >= 0.9 and info["queries_held_out"] and info["train_vectors"] <= 12_000 - 200
     assert info["config"]["nprobe"] == info["search_param"] >= 1
     # the writer's loader (in memory) and a reader's (memory-mapped) answer identically
