@@ -117,3 +117,11 @@ def test_two_process_gloo_torchrun(tmp_path):
     # 64 images / (4 per rank * 2 ranks) = 8 steps per epoch; only rank 0 wrote metrics.
     assert state["steps_per_epoch"] == 8
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_bf16_autocast_keeps_fp32_weights_and_finite_loss(tmp_path):
+    _run(tmp_path, ["run.max_steps=2", "run.precision=bf16"])
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert state["encoder"]["blocks.0.attn.qkv.weight"].dtype == torch.float32
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
