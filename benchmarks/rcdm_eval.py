@@ -100,7 +100,10 @@ def ensure_decoder(run: Path, bundle: Path, args: argparse.Namespace) -> Path:
 
 
 def balanced_indices(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> np.ndarray:
-    return np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:per_class] for c in np.unique(labels)])
+    """``per_class`` random indices of each class, interleaved (class 0, 1, ..., 0, 1, ...)."""
+    picks = [rng.permutation(np.flatnonzero(labels == c))[:per_class] for c in np.unique(labels)]
+    order = sorted((rank, c) for c, idx in enumerate(picks) for rank in range(len(idx)))
+    return np.array([picks[c][rank] for rank, c in order], dtype=np.int64)
 
 
 def images_of(dataset, indices: np.ndarray) -> torch.Tensor:

@@ -31,7 +31,7 @@ import numpy as np
 from .errors import NAME_RE
 from .index_files import IVF_TYPES, write_index_dir
 from .indexes import IndexConfig, _build
-from .storage import fsync_dir, lock_data_dir, remove_durably
+from .storage import fsync_path, lock_data_dir, remove_durably
 
 GB = 1e9
 PQ_CHOICES = (64, 48, 32, 24, 16, 12, 8, 4)
@@ -338,7 +338,7 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         if out.exists():
             remove_durably(out)
         os.rename(staging, out)
-        fsync_dir(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         if staging.exists():
             remove_durably(staging)

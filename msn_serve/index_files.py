@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
 
+from .storage import fsync_path
+
 CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
 IVF_TYPES = ("ivf", "ivfpq")
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_index_dir(path: Path, config: dict[str, Any], index: faiss.Index, ids: np.ndarray,
@@ -43,8 +36,8 @@ def write_index_dir(path: Path, config: dict[str, Any], index: faiss.Index, ids:
         (path / name).write_bytes(data)
     faiss.write_index(index, str(path / INDEX_FILE))
     for name in [*files, INDEX_FILE]:
-        fsync_file(path / name)
-    fsync_file(path)
+        fsync_path(path / name)
+    fsync_path(path)
 
 
 def mmap_flags(kind: str) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import conflict, not_found, read_only_replica, unprocessable
 from .index_files import INDEX_FILE, IVF_TYPES, STATE_FILE, read_index_dir, write_index_dir
-from .storage import WriteAheadLog, atomic_write, fsync_dir, quarantine, remove_durably
+from .storage import WriteAheadLog, atomic_write, fsync_path, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1
@@ -102,8 +102,8 @@ class ManagedIndex:
         path.mkdir(parents=True, exist_ok=False)
         atomic_write(path / "config.json", json.dumps(asdict(cfg), indent=1).encode())
         obj = cls(path, cfg, _build(cfg), {}, 0, set())  # creates wal.log
-        fsync_dir(path)
-        fsync_dir(path.parent)  # the new index directory itself must survive a crash
+        fsync_path(path)
+        fsync_path(path.parent)  # the new index directory itself must survive a crash
         return obj
 
     @classmethod

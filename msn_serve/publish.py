@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from .fewshot import ClassifierStore
-from .index_files import fsync_file
 from .indexes import IndexStore
-from .storage import atomic_write, fsync_dir, remove_durably
+from .storage import atomic_write, fsync_path, remove_durably
 
 log = logging.getLogger("msn_serve.publish")
 PUBLISHED, CURRENT, MANIFEST = "published", "CURRENT", "manifest.json"
@@ -84,15 +83,15 @@ def publish(data_dir: Path, indexes: IndexStore, classifiers: ClassifierStore, *
             cdir.mkdir()
             for name, clf in sorted(classifiers.items.items(), key=lambda kv: kv[0]):
                 (cdir / f"{name}.npz").write_bytes(clf.to_bytes())
-                fsync_file(cdir / f"{name}.npz")
+                fsync_path(cdir / f"{name}.npz")
                 manifest["classifiers"].append(name)
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            fsync_file(staging / MANIFEST)
+            fsync_path(staging / MANIFEST)
             for d in (cdir, staging / "indexes", staging):
                 if d.is_dir():
-                    fsync_dir(d)
+                    fsync_path(d)
             os.rename(staging, root / version)
-            fsync_dir(root)
+            fsync_path(root)
         except BaseException:
             remove_durably(staging)
             raise

@@ -21,7 +21,8 @@ _MAGIC = b"MSNW"
 _HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32(seq + payload), sequence number
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -38,18 +39,18 @@ def atomic_write(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def remove_durably(path: Path) -> None:
     if path.is_dir():
         trash = path.with_name(f".{path.name}.deleted.{time.time_ns()}")
         os.replace(path, trash)  # atomic: the name is gone even if rmtree is interrupted
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
 
 
 def clean_temp_files(root: Path) -> None:
@@ -68,8 +69,8 @@ def quarantine(data_dir: Path, path: Path, reason: str) -> Path:
     rel = "__".join(path.relative_to(data_dir).parts) if path.is_relative_to(data_dir) else path.name
     dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns() % 10**6:06d}-{rel}"
     os.replace(path, dest)
-    fsync_dir(qdir)
-    fsync_dir(path.parent)
+    fsync_path(qdir)
+    fsync_path(path.parent)
     log.error("QUARANTINED %s -> %s: %s", path, dest, reason)
     return dest
 

@@ -7,6 +7,7 @@ Everything stored is plain tensors, numbers, strings, lists and dicts: it loads 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -19,6 +20,15 @@ import torch
 
 CHECKPOINT_FORMAT = "msn-train-checkpoint"
 CHECKPOINT_VERSION = 1
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: str | Path, write: Any) -> None:
@@ -35,11 +45,11 @@ def atomic_write_bytes(path: str | Path, write: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_path(path.parent)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:

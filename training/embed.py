@@ -19,16 +19,15 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from training.checkpoint import atomic_write_bytes, atomic_write_json
 from training.data import IMAGE_EXTENSIONS, ImageFolderDataset, load_image, pil_to_tensor
 from training.distributed import barrier, cleanup, init_distributed
 from training.evaluation.features import OnnxEmbedder, TorchEmbedder, bundle_fingerprint, read_bundle_config
@@ -37,36 +36,6 @@ from training.views import eval_transform
 log = logging.getLogger("msn.embed")
 FORMAT = "msn-embeddings"
 FORMAT_VERSION = 1
-
-
-# ------------------------------------------------------------------------------------------------ file writing
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_save(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` via a temporary sibling + fsync + rename: readers see the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_json(path: Path, obj: Any) -> None:
-    atomic_save(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
 # ------------------------------------------------------------------------------------------------ the corpus
@@ -157,13 +126,13 @@ def embed_shard(out: Path, s: int, items: list[tuple[str, str | None]], first_id
     name = shard_name(s)
     rows = [json.dumps({"id": i, "path": items[i - first_id][0], "label": items[i - first_id][1]})
             for i in ids]
-    atomic_save(out / f"{name}.emb.npy", lambda f: np.save(f, emb))
-    atomic_save(out / f"{name}.ids.npy", lambda f: np.save(f, np.asarray(ids, dtype=np.int64)))
-    atomic_save(out / f"{name}.paths.jsonl", lambda f: f.write("".join(r + "\n" for r in rows).encode()))
+    atomic_write_bytes(out / f"{name}.emb.npy", lambda f: np.save(f, emb))
+    atomic_write_bytes(out / f"{name}.ids.npy", lambda f: np.save(f, np.asarray(ids, dtype=np.int64)))
+    atomic_write_bytes(out / f"{name}.paths.jsonl", lambda f: f.write("".join(r + "\n" for r in rows).encode()))
     record = {"shard": s, "embeddings": f"{name}.emb.npy", "ids": f"{name}.ids.npy", "paths": f"{name}.paths.jsonl",
               "first_id": first_id, "files": len(items), "count": len(ids), "dim": int(emb.shape[1]) if len(ids) else 0,
               "skipped": skipped}
-    atomic_json(out / f"{name}.json", record)  # the commit point: a shard without it is redone
+    atomic_write_json(out / f"{name}.json", record)  # the commit point: a shard without it is redone
     return record
 
 
@@ -191,7 +160,7 @@ def _check_run(out: Path, run: dict) -> None:
             raise SystemExit(f"msn-embed: {out} holds embeddings of a different run (differs in {diff}); "
                              "use a fresh --out directory or delete it")
     else:
-        atomic_json(path, run)
+        atomic_write_json(path, run)
 
 
 def write_manifest(out: Path, run: dict, n_shards: int, dim: int, seconds: float) -> dict:
@@ -204,7 +173,7 @@ def write_manifest(out: Path, run: dict, n_shards: int, dim: int, seconds: float
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **{k: v for k, v in run.items() if k != "started"},
                 "dim": dim, "count": sum(s["count"] for s in shards), "skipped": skipped, "shards": shards,
                 "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    atomic_json(out / "manifest.json", manifest)
+    atomic_write_json(out / "manifest.json", manifest)
     return manifest
 
 

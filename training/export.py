@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from training.checkpoint import file_sha256
+from training.checkpoint import file_sha256, fsync_path
 from training.convert import (
     complete_preprocessing,
     encoder_from_hf,
@@ -151,9 +151,9 @@ def _staging_dir(out_dir: Path) -> Iterator[Path]:
         yield staging
         for path in staging.iterdir():  # mkdtemp makes a 0700 dir: bundles are read by other users (serving)
             path.chmod(0o644)
-            _fsync(path)
+            fsync_path(path)
         staging.chmod(0o755)
-        _fsync(staging)
+        fsync_path(staging)
         if out_dir.exists():  # a directory cannot be os.replace'd over a non-empty one: park the old bundle
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.replace(out_dir, retired / "bundle")
@@ -165,17 +165,9 @@ def _staging_dir(out_dir: Path) -> Iterator[Path]:
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.replace(staging, out_dir)
-        _fsync(out_dir.parent)
+        fsync_path(out_dir.parent)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, content: dict) -> None:

@@ -83,3 +83,14 @@ def test_config_rejects_mistakes() -> None:
     assert load_config("configs/rcdm_fmnist_32.yaml").data.source == "fashion-mnist"
     for name in ("rcdm_64", "rcdm_128"):  # image-folder configs: the root comes from --data-root
         assert load_config(f"configs/{name}.yaml", ["data.root=/data/imagenet"]).model.learn_sigma
+
+
+def test_vb_term_vanishes_for_the_true_posterior() -> None:
+    """With the exact noise and v = -1 (log-variance = the posterior's), the KL part of the hybrid loss is 0."""
+    _, diffusion = _decoder("model.learn_sigma=true")
+    x0 = torch.rand(4, 3, 8, 8) * 2 - 1
+    noise, t = torch.randn_like(x0), torch.tensor([1, 10, 500, 999])
+    x_t = diffusion._at("sqrt_ac", t) * x0 + diffusion._at("sqrt_1m_ac", t) * noise
+    exact = diffusion._vb_bits(-torch.ones_like(x0), noise, x0, x_t, t)
+    wrong = diffusion._vb_bits(torch.ones_like(x0), noise, x0, x_t, t)
+    assert abs(exact.item()) < 1e-4 < wrong.item()
