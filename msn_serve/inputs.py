@@ -31,27 +31,24 @@ class Payload:
     # -- typed accessors ---------------------------------------------------------------------------------------
     def raw(self, name: str, default: Any = None) -> Any:
         """JSON value of a field (multipart text is parsed as JSON, falling back to the plain string)."""
-        if name not in self.fields:
-            return default
-        v = self.fields[name]
-        if self.multipart and isinstance(v, str):
-            try:
-                return json.loads(v)
-            except json.JSONDecodeError:
-                return v
-        return v
+        return self._value(name, default, strict=False)
 
     def json_field(self, name: str, default: Any = None) -> Any:
         """Like :meth:`raw` but a multipart value *must* be valid JSON (lists, objects)."""
+        return self._value(name, default, strict=True)
+
+    def _value(self, name: str, default: Any, *, strict: bool) -> Any:
         if name not in self.fields:
             return default
-        v = self.fields[name]
-        if self.multipart and isinstance(v, str):
-            try:
-                return json.loads(v)
-            except json.JSONDecodeError as e:
-                raise unprocessable(f"{name}: not valid JSON ({e.msg} at position {e.pos})") from None
-        return v
+        value = self.fields[name]
+        if not (self.multipart and isinstance(value, str)):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            if not strict:
+                return value
+            raise unprocessable(f"{name}: not valid JSON ({e.msg} at position {e.pos})") from None
 
     def string(self, name: str, default: str | None = None) -> str | None:
         if name not in self.fields:

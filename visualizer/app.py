@@ -32,6 +32,12 @@ SHOW_PX = 160
 EXAMPLE_PX = 384
 
 
+def _save_png(image: Image.Image, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    image.save(tmp, format="PNG", compress_level=1)
+    os.replace(tmp, path)  # concurrent launches never see half a file
+
+
 def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> list[Path]:
     """Write the built-in examples as PNGs: Fashion-MNIST test images (if installed) and scikit-image photos."""
     out_dir = Path(out_dir)
@@ -43,22 +49,26 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
         test = FashionMNIST(split="test")
         for index in range(fashion_mnist):
             path = out_dir / f"fmnist_{index}_{test.classes[int(test.labels[index])].replace('/', '-')}.png"
-            Image.fromarray(test.images[index]).convert("RGB").save(path)
+            if not path.is_file():
+                _save_png(Image.fromarray(test.images[index]).convert("RGB"), path)
             paths.append(path)
     except FileNotFoundError:
         log.info("Fashion-MNIST is not installed: no Fashion-MNIST examples")
     from skimage import data as skdata
 
     for name in SKIMAGE_PHOTOS:
+        path = out_dir / f"{name}.png"
+        if path.is_file():
+            paths.append(path)
+            continue
         try:
             photo = getattr(skdata, name)()
         except Exception as exc:  # noqa: BLE001 - a photo missing from this scikit-image is not an error
             log.info("scikit-image photo %s unavailable: %s", name, exc)
             continue
-        path = out_dir / f"{name}.png"
         picture = Image.fromarray(np.asarray(photo)).convert("RGB")
         picture.thumbnail((EXAMPLE_PX, EXAMPLE_PX), Image.Resampling.LANCZOS)  # models see <= 224 px anyway
-        picture.save(path, compress_level=1)
+        _save_png(picture, path)
         paths.append(path)
     return paths
 
@@ -239,7 +249,7 @@ def launch(bundle: str | Path, decoder: str | Path, *, compare: tuple[Path, Path
     """Load the pipelines, write the examples, start the server (``block=False`` returns once it listens)."""
     primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
     second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
-    examples_dir = Path(tempfile.mkdtemp(prefix="msn-visualize-examples-"))
+    examples_dir = Path(tempfile.gettempdir()) / f"msn-visualize-examples-{os.getuid()}"  # reused across launches
     demo = build_app(primary, second, examples=example_images(examples_dir))
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.launch(server_name=host, server_port=port, allowed_paths=[str(examples_dir)],
