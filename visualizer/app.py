@@ -48,7 +48,8 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
 
         test = FashionMNIST(split="test")
         for index in range(fashion_mnist):
-            path = out_dir / f"fmnist_{index}_{test.classes[int(test.labels[index])].replace('/', '-')}.png"
+            label = test.classes[int(test.labels[index])].replace("/", "-").replace(" ", "-")
+            path = out_dir / f"fmnist_{index}_{label}.png"
             if not path.is_file():
                 _save_png(Image.fromarray(test.images[index]).convert("RGB"), path)
             paths.append(path)
