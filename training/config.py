@@ -121,6 +121,11 @@ class ConfigError(ValueError):
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file, then ``key=value`` overrides (values parsed as YAML scalars/lists)."""
+    return config_from_dict(read_raw_config(path, overrides))
+
+
+def read_raw_config(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
+    """The YAML file's mapping with ``key=value`` overrides merged in; typed later by ``build_dataclass``."""
     raw: dict[str, Any] = {}
     if path is not None:
         with open(path) as f:
@@ -132,14 +137,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         _set_nested(raw, key.strip().split("."), yaml.safe_load(value))
-    cfg = _build(Config, raw, prefix="")
-    validate(cfg)
-    return cfg
+    return raw
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Rebuild a Config from ``Config.to_dict()`` output (e.g. the copy stored in a checkpoint)."""
-    cfg = _build(Config, raw, prefix="")
+    cfg = build_dataclass(Config, raw)
     validate(cfg)
     return cfg
 
@@ -178,7 +181,8 @@ def _set_nested(raw: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:
+    """Instantiate the (nested) dataclass ``cls`` from plain data, naming any unknown key or mistyped value."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
@@ -191,7 +195,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         hint = hints[name]
         key = f"{prefix}{name}"
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, prefix=f"{key}.")
+            kwargs[name] = build_dataclass(hint, value, prefix=f"{key}.")
         else:
             kwargs[name] = _coerce(value, hint, key)
     return cls(**kwargs)

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from training.config import ConfigError, _build, _set_nested
+from training.config import ConfigError, build_dataclass, read_raw_config
 
 __all__ = ["ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
 
@@ -101,22 +101,11 @@ class RCDMConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RCDMConfig:
     """Defaults, then the YAML file, then ``key=value`` overrides (values parsed as YAML)."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        _set_nested(raw, key.strip().split("."), yaml.safe_load(value))
-    return config_from_dict(raw)
+    return config_from_dict(read_raw_config(path, overrides))
 
 
 def config_from_dict(raw: dict[str, Any]) -> RCDMConfig:
-    cfg = _build(RCDMConfig, raw, prefix="")
+    cfg = build_dataclass(RCDMConfig, raw)
     validate(cfg)
     return cfg
 
