@@ -52,8 +52,11 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    state = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, **state}
+def save_checkpoint(
+    path: str | Path, state: dict[str, Any], *, fmt: str = CHECKPOINT_FORMAT, version: int = CHECKPOINT_VERSION
+) -> None:
+    """Atomically ``torch.save`` ``state`` tagged with its format name and version (checked on load)."""
+    state = {"format": fmt, "format_version": version, **state}
     atomic_write_bytes(path, lambda f: torch.save(state, f))
 
 
@@ -67,11 +70,14 @@ def copy_checkpoint(source: str | Path, destination: str | Path) -> None:
     atomic_write_bytes(destination, write)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, *, fmt: str = CHECKPOINT_FORMAT, version: int = CHECKPOINT_VERSION
+) -> dict[str, Any]:
+    """Load (``weights_only``) a checkpoint written by ``save_checkpoint`` with the same format name."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not an MSN training checkpoint (no format={CHECKPOINT_FORMAT!r} field)")
-    if state.get("format_version", 0) > CHECKPOINT_VERSION:
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        raise ValueError(f"{path} is not a {fmt} file (no format={fmt!r} field)")
+    if state.get("format_version", 0) > version:
         raise ValueError(f"{path} was written by a newer version (format_version={state['format_version']})")
     return state
 

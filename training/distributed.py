@@ -142,3 +142,12 @@ def all_reduce_sum_(x: Tensor) -> Tensor:
             dist.all_reduce(buf)
             x.copy_(buf)
     return x
+
+
+def all_gather_object(obj: object) -> list:
+    """Every rank's ``obj`` (e.g. its RNG states), in rank order, on every rank; ``[obj]`` in one process."""
+    if not is_distributed():
+        return [obj]
+    gathered: list = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

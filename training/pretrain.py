@@ -169,7 +169,7 @@ def train(cfg: Config, info: dist.DistInfo, output_dir: Path, *, resume: bool) -
         )
 
     def save(epoch_: int, batch_: int) -> None:
-        rng_states = gather_from_ranks(capture_rng_state(mask_generator), info.world_size)
+        rng_states = dist.all_gather_object(capture_rng_state(mask_generator))
         if is_main:
             save_checkpoint(checkpoint_path, {
                 "config": cfg.to_dict(), "arch": cfg.model.arch, "encoder_kwargs": encoder_kwargs(online.net.encoder),
@@ -256,15 +256,6 @@ def preprocessing(cfg: Config, mean: list[float], std: list[float]) -> dict:
     resize = cfg.data.eval_resize or round(crop * 256 / 224)
     return {"resize": resize, "crop": crop, "mean": list(mean), "std": list(std), "channels": 3,
             "interpolation": "bicubic"}
-
-
-def gather_from_ranks(obj: object, world_size: int) -> list:
-    """Every rank's ``obj`` (e.g. RNG states), in rank order, on every rank."""
-    if world_size == 1:
-        return [obj]
-    gathered: list = [None] * world_size
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
 
 
 @torch.no_grad()

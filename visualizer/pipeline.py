@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from training.checkpoint import load_checkpoint
 from visualizer.config import RCDMConfig, config_from_dict
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
@@ -39,13 +40,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def load_run(path: str | os.PathLike) -> dict:
     """A decoder checkpoint (``RUN_DIR`` or ``RUN_DIR/checkpoint.pt``), checked for format."""
-    path = resolve_checkpoint(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not an RCDM decoder checkpoint (format {CHECKPOINT_FORMAT!r})")
-    if state.get("format_version", 0) > CHECKPOINT_VERSION:
-        raise ValueError(f"{path} was written by a newer version (format_version={state['format_version']})")
-    return state
+    return load_checkpoint(resolve_checkpoint(path), fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
 
 
 def load_image(path: str | os.PathLike, min_size: int = 1) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from training import distributed as dist
-from training.checkpoint import atomic_write_bytes, capture_rng_state, restore_rng_state
+from training.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from training.data import build_dataset, build_loader
 from training.views import eval_transform
 from visualizer.config import RCDMConfig, dump_config
@@ -51,14 +51,6 @@ def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
         e.lerp_(p.detach(), 1.0 - decay)
     for e, b in zip(ema.buffers(), model.buffers(), strict=True):
         e.copy_(b)
-
-
-def _gather(obj: object, world_size: int) -> list:
-    if world_size == 1:
-        return [obj]
-    out: list = [None] * world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def _grid_batch(cfg: RCDMConfig, load_size: int) -> torch.Tensor:
@@ -154,14 +146,14 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                   f"world size {info.world_size}, device {device}, conditioning on {encoder.model_id}")
 
     def save() -> None:
-        rng = _gather(capture_rng_state(mask_generator), info.world_size)
+        rng = dist.all_gather_object(capture_rng_state(mask_generator))
         if is_main:
-            state = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "config": cfg.to_dict(),
+            state = {"config": cfg.to_dict(),
                      "cond_dim": encoder.dim, "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
                      "decoder": decoder.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
                      "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                      "steps_per_epoch": steps_per_epoch, "world_size": info.world_size, "rng": rng}
-            atomic_write_bytes(checkpoint_path, lambda f: torch.save(state, f))
+            save_checkpoint(checkpoint_path, state, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
 
     record: dict = {}
     while step < total:
