@@ -85,3 +85,16 @@ def test_summarize_reports_mean_and_std_per_setting_and_lambda():
 def test_single_class_is_rejected():
     with pytest.raises(ValueError):
         fit_logistic(np.ones((3, 2)), np.zeros(3))
+
+
+def test_two_classes_use_the_logistic_loss_and_match_sklearn():
+    """cyanure's multiclass loss degrades to square loss for 2 classes; the fit must still be logistic."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 8))
+    y = np.where(x[:, 0] + 0.5 * rng.normal(size=40) > 0, 7, 2)
+    cy = fit_logistic(x, y, lambd=0.01, tol=1e-6)
+    sk = fit_logistic(x, y, lambd=0.01, solver="sklearn")
+    assert list(cy.classes) == list(sk.classes) == [2, 7]
+    # Same objective, so the same logistic margins (square loss would give a differently scaled margin).
+    margin_cy, margin_sk = cy.coef[:, 1] - cy.coef[:, 0], sk.coef[:, 1] - sk.coef[:, 0]
+    np.testing.assert_allclose(margin_cy, margin_sk, rtol=0.02, atol=1e-3)

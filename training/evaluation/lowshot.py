@@ -80,12 +80,21 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
     if solver == "cyanure":
         from cyanure.estimators import Classifier
 
-        clf = Classifier(loss="multiclass-logistic", penalty="l2", fit_intercept=False, lambda_1=lambda_1,
-                         tol=tol, solver="auto", max_iter=max_iter, n_threads=n_threads, random_state=seed,
-                         duality_gap_interval=10, verbose=False)
-        clf.fit(x, y)
-        coef = np.asarray(clf.coef_, dtype=np.float64)  # (d, k)
-        model_classes = np.asarray(clf.classes_)
+        common = {"penalty": "l2", "fit_intercept": False, "lambda_1": lambda_1, "tol": tol, "solver": "auto",
+                  "max_iter": max_iter, "n_threads": n_threads, "random_state": seed, "duality_gap_interval": 10,
+                  "verbose": False}
+        if len(classes) == 2:
+            # cyanure's multiclass loss silently becomes *square* loss for two classes: fit the binary logistic
+            # loss instead; softmax over scores (-w/2, w/2) is the same model.
+            clf = Classifier(loss="logistic", **common)
+            clf.fit(x, np.where(y == classes[1], 1, -1))
+            w = np.asarray(clf.coef_, dtype=np.float64).reshape(-1)
+            coef, model_classes = np.stack([-w / 2, w / 2], axis=1), classes
+        else:
+            clf = Classifier(loss="multiclass-logistic", **common)
+            clf.fit(x, y)
+            coef = np.asarray(clf.coef_, dtype=np.float64)  # (d, k)
+            model_classes = np.asarray(clf.classes_)
     elif solver == "sklearn":
         from sklearn.linear_model import LogisticRegression
 
@@ -93,6 +102,8 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
                                  tol=1e-6)
         clf.fit(x, y)
         coef = clf.coef_.T.astype(np.float64)
+        if len(classes) == 2:  # scikit-learn keeps one weight vector (for classes_[1]) in the binary case
+            coef = np.concatenate([-coef / 2, coef / 2], axis=1)
         model_classes = clf.classes_
     else:
         raise ValueError(f"unknown solver {solver!r}; expected 'cyanure' or 'sklearn'")
