@@ -11,6 +11,10 @@ CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_RUN ?= runs/demo
 DEMO_BUNDLE ?= bundles/demo
+DEMO_DECODER ?= runs/demo-rcdm
+DEMO_DECODER_STEPS ?= 1500
+DEMO_PORT ?= 8000
+DEMO_APP_PORT ?= 7860
 
 .PHONY: setup data demo test lint clean
 
@@ -34,20 +38,24 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
-DEMO_PORT ?= 8000
-
-# Pretrain (resumes, so a second `make demo` does not train again), export, measure low-shot accuracy, serve.
+# Pretrain (resumes, so a second `make demo` does not train again), export, measure low-shot accuracy, train a small
+# RCDM decoder on the bundle (also resumed), then run the visualizer app in the background and the service in front.
 demo: setup data
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 training/pretrain.py \
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
 	$(VENV)/bin/msn-export --checkpoint $(DEMO_RUN)/checkpoint.pt --out $(DEMO_BUNDLE)
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress
 	$(PY) -m training.examples --out $(DEMO_RUN)/example.png
+	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_32.yaml \
+		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS)
 	@echo
-	@echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; Ctrl-C stops it). Try:"
+	@echo "Visualizer (mask an image, sample from the decoder): http://127.0.0.1:$(DEMO_APP_PORT)"
+	@echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; Ctrl-C stops both). Try:"
 	@echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"
 	@echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"
-	$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 --port $(DEMO_PORT)
+	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) & app=$$!; \
+		trap 'kill $$app 2>/dev/null' EXIT; \
+		$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 --port $(DEMO_PORT)
 
 test: setup data
 	$(PY) -m pytest -q

@@ -21,7 +21,6 @@ Missing decoders are trained first (``--train-steps``, config ``--config``) into
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -33,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 import torch
 
+from benchmarks.paper_tables import machine
+from training.checkpoint import atomic_write_bytes, atomic_write_json
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
 from training.masking import random_keep_idx
@@ -54,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, help="steps for decoders trained here (default: config's)")
     parser.add_argument("--images", type=int, default=200, help="held-out conditioning images (class-balanced)")
     parser.add_argument("--samples", type=int, default=4, help="samples per image and ratio")
-    parser.add_argument("--steps", type=int, default=50, help="DDIM steps")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: the decoder config's)")
+    parser.add_argument("--sampler", choices=("ddim", "ddpm"), help="default: the decoder config's")
     parser.add_argument("--train-per-class", type=int, default=100, help="labelled images for the classifier")
     parser.add_argument("--grid-images", type=int, default=4)
     parser.add_argument("--batch", type=int, default=256, help="samples drawn per decoder call")
@@ -157,7 +159,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         for name, pipe in (("msn", msn), ("random", rand)):
             cond = msn_cond if pipe is msn else pipe.encoder.embed(images, keep)
             samples = torch.cat([
-                pipe.sample_from_features(chunk.repeat_interleave(k, dim=0), steps=args.steps, seed=args.seed + i)
+                pipe.sample_from_features(chunk.repeat_interleave(k, dim=0), steps=args.steps,
+                                         sampler=args.sampler, seed=args.seed + i)
                 for i, chunk in enumerate(cond.split(max(1, args.batch // k)))])  # rows: image-major
             sample_msn = embed(samples)
             stats[name] = {
@@ -178,7 +181,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     grid = save_grid(grid_rows, args.out_dir / "rcdm_samples.png", cell=max(64, msn.image_size))
     results.update({
         "quick": args.quick, "data": args.data, "images": len(images), "samples_per_image": args.samples,
-        "ddim_steps": args.steps, "num_classes": num_classes, "chance": 1.0 / num_classes,
+        "sampler": args.sampler or msn.config.diffusion.sampler,
+        "sampling_steps": args.steps or msn.config.diffusion.sample_steps, "num_classes": num_classes, "chance": 1.0 / num_classes,
         "classifier": {"train_images": len(fit_idx), "accuracy_on_originals": accuracy},
         "cos_unrelated": float(np.mean(unrelated)) if len(unrelated) else None,
         "msn": {"bundle": msn.encoder.model_id, "decoder": str(msn_run), "decoder_steps": msn.step},
@@ -186,9 +190,13 @@ def evaluate(args: argparse.Namespace) -> dict:
         "grid": {"file": grid.name, "rows": f"{args.grid_images} images x {len(RATIOS)} ratios",
                  "columns": f"original, masked, {args.samples} MSN samples, {args.samples} random-encoder samples"},
         "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,
-        "machine": platform.machine(), "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "machine_name": machine(), "threads": torch.get_num_threads(),
     })
-    (args.out_dir / "rcdm_eval.json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(args.out_dir / "rcdm_eval.json", results)
+    if not args.quick:  # docs/results.md carries the table
+        from benchmarks.paper_tables import render
+
+        atomic_write_bytes(args.out_dir / "results.md", lambda f: f.write(render(args.out_dir).encode()))
     return results
 
 

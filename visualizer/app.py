@@ -167,7 +167,7 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
                 focal = gr.Slider(0.1, 1.0, value=0.5, step=0.05, label="Focal block side (fraction of the grid)")
         with gr.Row():
             num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples")
-            steps = gr.Slider(2, 250, value=cfg.sample_steps, step=1, label="DDIM steps")
+            steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
             guidance = gr.Slider(0.0, 5.0, value=cfg.guidance_scale, step=0.5, label="Guidance scale",
                                  visible=primary.config.diffusion.cond_drop_prob > 0)
             sample_seed = gr.Number(0, precision=0, label="Sample seed")

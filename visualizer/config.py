@@ -21,6 +21,7 @@ __all__ = ["ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load
 @dataclass
 class ModelConfig:
     image_size: int = 32  # resolution the decoder generates
+    channels: int = 3  # 1 for grey data (Fashion-MNIST): one generated channel, shown as grey RGB
     block_out_channels: list[int] = field(default_factory=lambda: [64, 128, 128])
     attention: list[bool] = field(default_factory=lambda: [False, True, True])  # self-attention per level
     layers_per_block: int = 1
@@ -115,6 +116,8 @@ def validate(cfg: RCDMConfig) -> None:
     levels = len(m.block_out_channels)
     if len(m.attention) != levels:
         raise ConfigError(f"model.attention has {len(m.attention)} entries, block_out_channels {levels}")
+    if m.channels not in (1, 3):
+        raise ConfigError(f"model.channels={m.channels}: expected 1 (grey) or 3 (RGB)")
     if m.image_size % 2 ** (levels - 1):
         raise ConfigError(f"model.image_size={m.image_size} must be divisible by 2**{levels - 1}")
     if any(ch % m.norm_num_groups for ch in m.block_out_channels):

@@ -34,15 +34,17 @@ def _block_types(cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 class RCDMDecoder(nn.Module):
-    """``forward(x_t, t, feat, drop=None) -> model output`` (B, 3 or 6, H, W): epsilon [+ variance logits]."""
+    """``forward(x_t, t, feat, drop=None) -> model output`` (B, C or 2C, H, W): epsilon [+ variance logits]."""
 
     def __init__(self, cfg: ModelConfig, cond_dim: int) -> None:
         super().__init__()
         down, up = _block_types(cfg)
         updown = "resnet" if cfg.resblock_updown else "conv"
-        self.image_size, self.cond_dim, self.learn_sigma = cfg.image_size, cond_dim, cfg.learn_sigma
+        self.image_size, self.channels, self.cond_dim = cfg.image_size, cfg.channels, cond_dim
+        self.learn_sigma = cfg.learn_sigma
         self.unet = UNet2DModel(
-            sample_size=cfg.image_size, in_channels=3, out_channels=6 if cfg.learn_sigma else 3,
+            sample_size=cfg.image_size, in_channels=cfg.channels,
+            out_channels=cfg.channels * (2 if cfg.learn_sigma else 1),
             down_block_types=down, up_block_types=up, block_out_channels=tuple(cfg.block_out_channels),
             layers_per_block=cfg.layers_per_block, attention_head_dim=cfg.attention_head_dim,
             norm_num_groups=cfg.norm_num_groups, dropout=cfg.dropout, downsample_type=updown,

@@ -74,12 +74,13 @@ class Diffusion:
         noise = torch.randn_like(x0)
         x_t = self._at("sqrt_ac", t) * x0 + self._at("sqrt_1m_ac", t) * noise
         out = model(x_t, t, feat, drop).float()
-        eps = out[:, :3]
+        channels = x0.shape[1]
+        eps = out[:, :channels]
         mse = F.mse_loss(eps, noise)
         stats = {"mse": mse.item()}
         if not self.learn_sigma:
             return mse, stats
-        vb = self._vb_bits(out[:, 3:], eps.detach(), x0, x_t, t)
+        vb = self._vb_bits(out[:, channels:], eps.detach(), x0, x_t, t)
         stats["vb"] = vb.item()
         return mse + self.cfg.vb_weight * vb, stats
 
@@ -99,11 +100,14 @@ class Diffusion:
     @torch.no_grad()
     def sample(self, model: nn.Module, feat: Tensor, *, image_size: int, steps: int | None = None,
                sampler: str | None = None, guidance_scale: float | None = None,
-               generator: torch.Generator | None = None) -> Tensor:
-        """One image per row of ``feat`` (B, D), in [-1, 1], shape (B, 3, S, S).
+               generator: torch.Generator | None = None, channels: int = 3) -> Tensor:
+        """One image per row of ``feat`` (B, D), in [-1, 1], shape (B, 3, S, S); ``channels`` is what the model
+        generates (a 1-channel model's samples are repeated as grey RGB).
 
         ``sampler``: ``ddim`` (deterministic, eta 0) or ``ddpm`` (ancestral, learned variance if trained);
-        ``guidance_scale`` > 1 mixes in the null-conditioned prediction (classifier-free guidance).
+        ``guidance_scale`` > 1 mixes in the null-conditioned prediction (classifier-free guidance). DDIM re-derives
+        epsilon from the clipped x0 estimate, as ADM/RCDM's sampler does; diffusers' default keeps the unclipped
+        epsilon, which on a young decoder turns every sample into noise.
         """
         steps = steps or self.cfg.sample_steps
         sampler = sampler or self.cfg.sampler
@@ -116,7 +120,7 @@ class Diffusion:
         scheduler = type(base).from_config(base.config)  # a private copy: concurrent requests set other steps
         scheduler.set_timesteps(steps)
         device, batch = feat.device, feat.shape[0]
-        x = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+        x = torch.randn(batch, channels, image_size, image_size, generator=generator).to(device)
         guided = scale != 1.0
         if guided:
             feat = torch.cat([feat, feat])
@@ -126,10 +130,11 @@ class Diffusion:
             out = model(torch.cat([x, x]) if guided else x, t_batch, feat, drop if guided else None).float()
             if guided:
                 cond, uncond = out.chunk(2)
-                out = torch.cat([uncond[:, :3] + scale * (cond[:, :3] - uncond[:, :3]), cond[:, 3:]], dim=1)
+                eps = uncond[:, :channels] + scale * (cond[:, :channels] - uncond[:, :channels])
+                out = torch.cat([eps, cond[:, channels:]], dim=1)
             if sampler == "ddim":
-                x = scheduler.step(out[:, :3], t, x, eta=0.0).prev_sample
+                x = scheduler.step(out[:, :channels], t, x, eta=0.0, use_clipped_model_output=True).prev_sample
             else:
-                model_out = out if self.learn_sigma else out[:, :3]
+                model_out = out if self.learn_sigma else out[:, :channels]
                 x = scheduler.step(model_out, t, x, generator=generator).prev_sample
-        return x.clamp(-1.0, 1.0)
+        return x.clamp(-1.0, 1.0).expand(-1, 3, -1, -1)

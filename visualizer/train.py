@@ -31,7 +31,7 @@ from training.views import eval_transform
 from visualizer.config import RCDMConfig, dump_config
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
-from visualizer.features import FrozenEncoder, random_keep
+from visualizer.features import FrozenEncoder, random_keep, to_uint8
 from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
@@ -40,9 +40,11 @@ __all__ = ["decoder_targets", "ema_update", "train"]
 log = logging.getLogger("msn.visualize")
 
 
-def decoder_targets(images_uint8: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 images -> decoder-resolution targets in [-1, 1] (shorter side resized, centre crop)."""
-    return eval_transform(images_uint8, resize=size, crop=size, mean=[0.5] * 3, std=[0.5] * 3)
+def decoder_targets(images_uint8: torch.Tensor, size: int, channels: int = 3) -> torch.Tensor:
+    """uint8 images -> decoder-resolution targets in [-1, 1] (shorter side resized, centre crop); ``channels=1``
+    keeps the luminance mean of the RGB channels."""
+    targets = eval_transform(images_uint8, resize=size, crop=size, mean=[0.5] * 3, std=[0.5] * 3)
+    return targets.mean(dim=1, keepdim=True) if channels == 1 else targets
 
 
 @torch.no_grad()
@@ -74,10 +76,11 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
     feat = encoder.embed(images, keep_idx, keep_mask).repeat_interleave(cfg.run.grid_samples, dim=0)
     was_training = decoder.training
     decoder.eval()
-    samples = diffusion.sample(decoder, feat, image_size=cfg.model.image_size, generator=generator)
+    samples = diffusion.sample(decoder, feat, image_size=cfg.model.image_size, generator=generator,
+                               channels=cfg.model.channels)
     decoder.train(was_training)
-    samples = ((samples.cpu() + 1) * 127.5).round().to(torch.uint8)
-    originals = ((decoder_targets(images, cfg.model.image_size) + 1) * 127.5).round().to(torch.uint8)
+    samples = to_uint8(samples)
+    originals = to_uint8(decoder_targets(images, cfg.model.image_size, cfg.model.channels).expand(-1, 3, -1, -1))
     views = encoder.model_view(images)
     rows = []
     for i in range(len(images)):
@@ -155,7 +158,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                      "steps_per_epoch": steps_per_epoch, "world_size": info.world_size, "rng": rng}
             save_checkpoint(checkpoint_path, state, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
 
-    record: dict = {}
+    record: dict = {"step": step}  # returned as is when a resumed run has nothing left to do
     while step < total:
         sampler.set_epoch(epoch)
         sampler.set_start_index(batch_in_epoch * cfg.data.batch_size)
@@ -165,7 +168,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                 images = torch.where(flip[:, None, None, None], images.flip(-1), images)
             feat = encoder.embed_masked_batch(images, mask_prob=cfg.cond.mask_prob, ratio_min=cfg.cond.mask_ratio_min,
                                               ratio_max=cfg.cond.mask_ratio_max, generator=mask_generator)
-            x0 = decoder_targets(images, cfg.model.image_size).to(device, non_blocking=True)
+            x0 = decoder_targets(images, cfg.model.image_size, cfg.model.channels).to(device, non_blocking=True)
             drop = None
             if cfg.diffusion.cond_drop_prob > 0:
                 drop = (torch.rand(images.shape[0]) < cfg.diffusion.cond_drop_prob).to(device)

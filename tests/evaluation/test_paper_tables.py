@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -40,3 +41,16 @@ def test_render_marks_missing_results(tables):
         assert title in text
     assert "70.0 ± 1.0" in text and "n/a" in text and "test machine" in text
     assert "| cyanure 1.2.2 | 70.00 (0.200 s)" in text
+
+
+def test_render_includes_the_rcdm_table_when_its_results_exist(tables, tmp_path):
+    ratio = {"msn": {"consistent": 0.41, "cos_msn": 0.98}, "random": {"consistent": 0.17, "cos_msn": 0.96}}
+    rcdm = {"ratios": {"0.0": ratio, "0.9": ratio}, "machine": "x86_64", "machine_name": "test cpu", "seconds": 120.0,
+            "msn": {"bundle": "msn-a", "decoder_steps": 2000}, "images": 100, "samples_per_image": 4,
+            "sampling_steps": 100, "sampler": "ddpm", "classifier": {"train_images": 1000, "accuracy_on_originals": 0.69},
+            "chance": 0.1, "cos_unrelated": 0.92, "grid": {"file": "rcdm_samples.png"}}
+    assert "RCDM" not in tables.render(tmp_path)
+    (tmp_path / "rcdm_eval.json").write_text(json.dumps(rcdm))
+    text = tables.render(tmp_path)
+    assert "| 0.9 | 0.410 | 0.170 | 0.980 | 0.960 |" in text
+    assert "test cpu" in text and "100 DDPM steps" in text and "(rcdm_samples.png)" in text

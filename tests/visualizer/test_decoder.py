@@ -61,6 +61,42 @@ def test_sampling_shape_range_and_seed(sampler: str, guidance: float) -> None:
     assert not torch.equal(a, c)
 
 
+def test_grey_decoder_generates_one_channel_shown_as_grey_rgb() -> None:
+    decoder, diffusion = _decoder("model.channels=1", "model.learn_sigma=true")
+    assert decoder.unet.config.in_channels == 1 and decoder.unet.config.out_channels == 2
+    loss, _ = diffusion.loss(decoder, torch.rand(2, 1, 16, 16) * 2 - 1, torch.randn(2, 64))
+    assert torch.isfinite(loss)
+    decoder.eval()
+    for sampler in ("ddim", "ddpm"):
+        out = diffusion.sample(decoder, torch.randn(2, 64), image_size=16, steps=3, sampler=sampler, channels=1,
+                               generator=torch.Generator().manual_seed(0))
+        assert out.shape == (2, 3, 16, 16)
+        assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 1], out[:, 2])
+
+
+def test_ddim_rederives_epsilon_from_the_clipped_x0_as_adm() -> None:
+    """The sampler equals a hand-written ADM DDIM (eta 0): x0 clipped, epsilon recomputed from it."""
+    decoder, diffusion = _decoder()
+    decoder.eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(decoder.unet.conv_out.weight, std=3.0)  # large outputs: the clip matters
+    feat, steps = torch.randn(2, 64), 5
+    got = diffusion.sample(decoder, feat, image_size=16, steps=steps, sampler="ddim",
+                           generator=torch.Generator().manual_seed(0))
+    betas = torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64)
+    alpha_bar = torch.cumprod(1 - betas, 0).float()
+    timesteps = [999 - i * (1000 // steps) for i in range(steps)]  # "trailing" spacing
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for i, t in enumerate(timesteps):
+            a, a_prev = alpha_bar[t], alpha_bar[timesteps[i + 1]] if i + 1 < steps else torch.tensor(1.0)
+            eps = decoder(x, torch.full((2,), t), feat)
+            x0 = ((x - (1 - a).sqrt() * eps) / a.sqrt()).clamp(-1, 1)
+            eps = (x - a.sqrt() * x0) / (1 - a).sqrt()
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
+    torch.testing.assert_close(got, x.clamp(-1, 1), atol=1e-3, rtol=1e-3)
+
+
 def test_frozen_encoder_onnx_matches_torch_with_padded_masks(tiny_bundle) -> None:
     images = torch.randint(0, 256, (3, 3, 40, 48), dtype=torch.uint8)
     keep_idx, keep_mask = random_keep(3, 64, [0.0, 0.5, 0.9], torch.Generator().manual_seed(0))
@@ -74,6 +110,8 @@ def test_frozen_encoder_onnx_matches_torch_with_padded_masks(tiny_bundle) -> Non
 
 
 def test_config_rejects_mistakes() -> None:
+    with pytest.raises(ConfigError, match="model.channels"):
+        load_config(None, ["model.channels=2"])
     with pytest.raises(ConfigError, match="model.attention"):
         load_config(None, ["model.attention=[true]"])
     with pytest.raises(ConfigError, match="unknown config key"):
