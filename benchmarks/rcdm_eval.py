@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 import torch
 
-from benchmarks.paper_tables import machine
+from benchmarks.results_report import machine, render
 from training.checkpoint import atomic_write_bytes, atomic_write_json
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
@@ -194,8 +194,6 @@ def evaluate(args: argparse.Namespace) -> dict:
     })
     atomic_write_json(args.out_dir / "rcdm_eval.json", results)
     if not args.quick:  # docs/results.md carries the table
-        from benchmarks.paper_tables import render
-
         atomic_write_bytes(args.out_dir / "results.md", lambda f: f.write(render(args.out_dir).encode()))
     return results
 

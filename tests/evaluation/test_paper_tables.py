@@ -25,32 +25,36 @@ def test_dry_run_plans_every_ablation_with_one_budget(tables, tmp_path, capsys):
     assert all("--set run.seed=0" in line and "--set run.max_steps=" in line for line in pretrain)
     assert any("--set mask.share_target_view=true" in line for line in pretrain)
     assert any("--set mask.ratio=0.0 --set mask.num_focal=0" in line for line in pretrain)
-    assert "--backend pixels" in out and "robustness" in out and "TSNE" in out
+    assert "--backend pixels" in out and "robustness" in out and "--plot-tsne" in out
     assert not (tmp_path / "docs").exists()  # a dry run writes nothing
 
 
 def test_render_marks_missing_results(tables):
+    from benchmarks import results_report as report
+
     runs = tables.pretraining_runs(0.3)
     rows = [{"setting": s, "mean": 70.0, "std": 1.0, "fit_seconds": [0.1, 0.2, 0.3]}
-            for s, _ in tables.SETTINGS]
+            for s, _ in report.SETTINGS]
     result = {"profile": "cpu", "machine": "test machine", "seconds": 60.0, "overrides": {}, "default_ratio": 0.3,
               "lambd": 0.00025, "runs": {n: {"label": r.label} for n, r in runs.items()},
               "evals": {"msn-lowshot": {"results": rows}}}
-    text = tables.render_profile(result)
+    text = report.render_profile(result)
     for title in ("### 1.", "### 2.", "### 3.", "### 4.", "### 5.", "Solver check"):
         assert title in text
     assert "70.0 ± 1.0" in text and "n/a" in text and "test machine" in text
-    assert "| cyanure 1.2.2 | 70.00 (0.200 s)" in text
+    assert "| cyanure 1.2.2, official stop (gap 1e-3, 300 epochs) | 70.00 (0.200 s)" in text
 
 
-def test_render_includes_the_rcdm_table_when_its_results_exist(tables, tmp_path):
+def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
+    from benchmarks.results_report import render
+
     ratio = {"msn": {"consistent": 0.41, "cos_msn": 0.98}, "random": {"consistent": 0.17, "cos_msn": 0.96}}
     rcdm = {"ratios": {"0.0": ratio, "0.9": ratio}, "machine": "x86_64", "machine_name": "test cpu", "seconds": 120.0,
             "msn": {"bundle": "msn-a", "decoder_steps": 2000}, "images": 100, "samples_per_image": 4,
             "sampling_steps": 100, "sampler": "ddpm", "classifier": {"train_images": 1000, "accuracy_on_originals": 0.69},
             "chance": 0.1, "cos_unrelated": 0.92, "grid": {"file": "rcdm_samples.png"}}
-    assert "RCDM" not in tables.render(tmp_path)
+    assert "RCDM" not in render(tmp_path)
     (tmp_path / "rcdm_eval.json").write_text(json.dumps(rcdm))
-    text = tables.render(tmp_path)
+    text = render(tmp_path)
     assert "| 0.9 | 0.410 | 0.170 | 0.980 | 0.960 |" in text
     assert "test cpu" in text and "100 DDPM steps" in text and "(rcdm_samples.png)" in text

@@ -144,17 +144,20 @@ class LowShotResult:
 
 def summarize(train_features: np.ndarray, train_labels: np.ndarray, test_features: np.ndarray,
               test_labels: np.ndarray, subsets: Mapping[str, Sequence[np.ndarray]], *,
-              lambdas: Sequence[float] = (DEFAULT_LAMBD,), solver: str = "cyanure") -> list[LowShotResult]:
+              lambdas: Sequence[float] = (DEFAULT_LAMBD,), solver: str = "cyanure",
+              **solver_options) -> list[LowShotResult]:
     """Low-shot accuracy for each setting (``{"1imgs_class": [split1_idx, ...], ...}``) and each ``lambd``.
 
-    Subset indices index the rows of ``train_features`` / ``train_labels``.
+    Subset indices index the rows of ``train_features`` / ``train_labels``; ``solver_options`` (``max_iter``,
+    ``tol``) go to :func:`fit_logistic`.
     """
     results = []
     for setting, splits in subsets.items():
         for lambd in lambdas:
             result = LowShotResult(setting, lambd, [])
             for idx in splits:
-                model = fit_logistic(train_features[idx], train_labels[idx], lambd=lambd, solver=solver)
+                model = fit_logistic(train_features[idx], train_labels[idx], lambd=lambd, solver=solver,
+                                     **solver_options)
                 result.accuracies.append(100.0 * model.accuracy(test_features, test_labels))
                 result.fit_seconds.append(model.fit_seconds)
             results.append(result)
