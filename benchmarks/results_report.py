@@ -146,8 +146,8 @@ def render_rcdm(result: dict) -> str:
     clf = result["classifier"]
     return "\n".join([
         "## What the representation keeps: RCDM samples", "",
-        (f"`python benchmarks/rcdm_eval.py` on {result.get('machine_name', result['machine'])}, "
-         f"{result['seconds'] / 60:.1f} min. Two decoders with the same config and {result['msn']['decoder_steps']} "
+        (f"`python benchmarks/rcdm_eval.py` on {result.get('machine_name', result['machine'])} (script run "
+         f"{result['seconds'] / 60:.1f} min; decoders that already existed are not retrained). Two decoders with the same config and {result['msn']['decoder_steps']} "
          f"training steps, one conditioned on the MSN bundle `{result['msn']['bundle']}`, one on a random-init "
          f"encoder of the same architecture. {result['images']} class-balanced test images x "
          f"{result['samples_per_image']} samples ({result['sampling_steps']} {result['sampler'].upper()} steps) per "
