@@ -182,7 +182,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     results.update({
         "quick": args.quick, "data": args.data, "images": len(images), "samples_per_image": args.samples,
         "sampler": args.sampler or msn.config.diffusion.sampler,
-        "sampling_steps": args.steps or msn.config.diffusion.sample_steps, "num_classes": num_classes, "chance": 1.0 / num_classes,
+        "sampling_steps": args.steps or msn.config.diffusion.sample_steps,
+        "num_classes": num_classes, "chance": 1.0 / num_classes,
         "classifier": {"train_images": len(fit_idx), "accuracy_on_originals": accuracy},
         "cos_unrelated": float(np.mean(unrelated)) if len(unrelated) else None,
         "msn": {"bundle": msn.encoder.model_id, "decoder": str(msn_run), "decoder_steps": msn.step},
