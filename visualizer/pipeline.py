@@ -103,5 +103,5 @@ class RCDMPipeline:
         generator = torch.Generator().manual_seed(seed)
         images = self.diffusion.sample(self.decoder, feat.to(self.encoder.device), image_size=self.image_size,
                                        steps=steps, sampler=sampler, guidance_scale=guidance_scale,
-                                       generator=generator, channels=self.decoder.channels)
+                                       generator=generator)
         return to_uint8(images)

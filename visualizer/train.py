@@ -76,8 +76,7 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
     feat = encoder.embed(images, keep_idx, keep_mask).repeat_interleave(cfg.run.grid_samples, dim=0)
     was_training = decoder.training
     decoder.eval()
-    samples = diffusion.sample(decoder, feat, image_size=cfg.model.image_size, generator=generator,
-                               channels=cfg.model.channels)
+    samples = diffusion.sample(decoder, feat, image_size=cfg.model.image_size, generator=generator)
     decoder.train(was_training)
     samples = to_uint8(samples)
     originals = to_uint8(decoder_targets(images, cfg.model.image_size, cfg.model.channels).expand(-1, 3, -1, -1))

@@ -68,7 +68,7 @@ def test_grey_decoder_generates_one_channel_shown_as_grey_rgb() -> None:
     assert torch.isfinite(loss)
     decoder.eval()
     for sampler in ("ddim", "ddpm"):
-        out = diffusion.sample(decoder, torch.randn(2, 64), image_size=16, steps=3, sampler=sampler, channels=1,
+        out = diffusion.sample(decoder, torch.randn(2, 64), image_size=16, steps=3, sampler=sampler,
                                generator=torch.Generator().manual_seed(0))
         assert out.shape == (2, 3, 16, 16)
         assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 1], out[:, 2])
