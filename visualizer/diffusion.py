@@ -100,9 +100,9 @@ class Diffusion:
     @torch.no_grad()
     def sample(self, model: nn.Module, feat: Tensor, *, image_size: int, steps: int | None = None,
                sampler: str | None = None, guidance_scale: float | None = None,
-               generator: torch.Generator | None = None, channels: int | None = None) -> Tensor:
-        """One image per row of ``feat`` (B, D), in [-1, 1], shape (B, 3, S, S); ``channels`` is what the model
-        generates (default: its ``channels`` attribute, else 3); a 1-channel model's samples are repeated as grey RGB.
+               generator: torch.Generator | None = None) -> Tensor:
+        """One image per row of ``feat`` (B, D), in [-1, 1], shape (B, 3, S, S); a grey decoder's
+        (``model.channels == 1``) samples are repeated as grey RGB.
 
         ``sampler``: ``ddim`` (deterministic, eta 0) or ``ddpm`` (ancestral, learned variance if trained);
         ``guidance_scale`` > 1 mixes in the null-conditioned prediction (classifier-free guidance). DDIM re-derives
@@ -119,7 +119,7 @@ class Diffusion:
         base = self.ddim if sampler == "ddim" else self.ddpm
         scheduler = type(base).from_config(base.config)  # a private copy: concurrent requests set other steps
         scheduler.set_timesteps(steps)
-        channels = channels or getattr(model, "channels", 3)
+        channels = getattr(model, "channels", 3)
         device, batch = feat.device, feat.shape[0]
         x = torch.randn(batch, channels, image_size, image_size, generator=generator).to(device)
         guided = scale != 1.0
