@@ -88,23 +88,25 @@ class Step:
         return bool(self.outputs) and all(p.exists() for p in self.outputs)
 
 
-def _torchrun(nproc: int) -> list[str]:
+def torchrun_command(nproc: int) -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     return [*base, "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def _subprocess(command: list[str]) -> Callable[[], None]:
+def subprocess_action(command: list[str]) -> Callable[[], None]:
     return lambda: subprocess.run(command, cwd=ROOT, check=True)
 
 
-def _sets(overrides: dict) -> list[str]:
+def set_args(overrides: dict) -> list[str]:
     return [arg for k, v in overrides.items() for arg in ("--set", f"{k}={json.dumps(v)}")]
 
 
-def _eval_step(work: Path, bundle: str, command: str, args: list[str], tag: str | None = None) -> Step:
+def eval_step(work: Path, bundle: str, command: str, args: list[str], tag: str | None = None,
+               pixels_source: str = "msn") -> Step:
+    """``msn-eval COMMAND`` on ``work/bundles/BUNDLE``; ``pixels`` reads the preprocessing of ``pixels_source``."""
     out = work / "evals" / f"{bundle}-{tag or command}.json"
-    source = "msn" if bundle == "pixels" else bundle
+    source = pixels_source if bundle == "pixels" else bundle
     argv = [command, "--bundle", str(work / "bundles" / source), "--data", "fashion-mnist",
             "--cache-dir", str(work / "feature-cache"), "--json", str(out), *args]
 
@@ -124,40 +126,40 @@ def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[
     steps: list[Step] = []
     for run in runs.values():
         out = work / "runs" / run.name
-        cmd = [*_torchrun(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(ROOT)),
-               "--output-dir", str(out), "--resume", *_sets({**PROFILES[profile], **run.overrides})]
-        steps.append(Step(f"pretrain {run.name}", cmd, [out / "done"], _pretrain_action(cmd, out)))
+        cmd = [*torchrun_command(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(ROOT)),
+               "--output-dir", str(out), "--resume", *set_args({**PROFILES[profile], **run.overrides})]
+        steps.append(Step(f"pretrain {run.name}", cmd, [out / "done"], pretrain_action(cmd, out)))
         export = [sys.executable, "-m", "training.export", "--checkpoint", str(out / "checkpoint.pt"),
                   "--out", str(work / "bundles" / run.name)]
         steps.append(Step(f"export {run.name}", export, [work / "bundles" / run.name / "msn.json"],
-                          _subprocess(export)))
+                          subprocess_action(export)))
     random_dir = work / "bundles" / "random_init"
     seed = PROFILES[profile][SEED]
     steps.append(Step("export random_init", [f"(python) export_bundle(VisionTransformer(**msn arch), seed {seed})"],
                       [random_dir / "msn.json"],
-                      lambda: _export_random_init(work / "bundles" / "msn", random_dir, seed)))
+                      lambda: export_random_init(work / "bundles" / "msn", random_dir, seed)))
 
     lowshot = ["--shots", *SHOTS, "--splits", "3"]
     for bundle in [*runs, "random_init"]:
-        steps.append(_eval_step(work, bundle, "lowshot", lowshot))
-    steps.append(_eval_step(work, "pixels", "lowshot", [*lowshot, "--backend", "pixels"]))
-    steps.append(_eval_step(work, "msn", "lowshot", [*lowshot, "--solver", "sklearn"], tag="lowshot-sklearn"))
-    steps.append(_eval_step(work, "msn", "lowshot", [*lowshot, "--tol", "1e-6", "--max-iter", "3000"],
+        steps.append(eval_step(work, bundle, "lowshot", lowshot))
+    steps.append(eval_step(work, "pixels", "lowshot", [*lowshot, "--backend", "pixels"]))
+    steps.append(eval_step(work, "msn", "lowshot", [*lowshot, "--solver", "sklearn"], tag="lowshot-sklearn"))
+    steps.append(eval_step(work, "msn", "lowshot", [*lowshot, "--tol", "1e-6", "--max-iter", "3000"],
                             tag="lowshot-cyanure-tight"))
     for bundle in ("msn", "random_init", "focal_only", "shared_view", "pixels"):
         extra = ["--backend", "pixels"] if bundle == "pixels" else []
-        steps.append(_eval_step(work, bundle, "knn", ["--max-train", str(KNN_TRAIN), *extra]))
+        steps.append(eval_step(work, bundle, "knn", ["--max-train", str(KNN_TRAIN), *extra]))
     for bundle in ("msn", "focal_only"):
-        steps.append(_eval_step(work, bundle, "robustness", ["--ratios", *map(str, ROBUSTNESS_RATIOS),
+        steps.append(eval_step(work, bundle, "robustness", ["--ratios", *map(str, ROBUSTNESS_RATIOS),
                                                              "--shots", "1", "2", "5", "--splits", "3"]))
     png = docs / tsne_name(profile)
     # Its own interpreter: once, after all the evaluations in this process, scipy's sparse code crashed in TSNE.
     tsne = [sys.executable, str(Path(__file__).resolve()), "--plot-tsne", str(png), "--workdir", str(work)]
-    steps.append(Step("t-SNE plot", tsne, [png], _subprocess(tsne)))
+    steps.append(Step("t-SNE plot", tsne, [png], subprocess_action(tsne)))
     return steps
 
 
-def _pretrain_action(cmd: list[str], out: Path) -> Callable[[], None]:
+def pretrain_action(cmd: list[str], out: Path) -> Callable[[], None]:
     def run() -> None:
         subprocess.run(cmd, cwd=ROOT, check=True)
         (out / "done").write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
@@ -165,7 +167,7 @@ def _pretrain_action(cmd: list[str], out: Path) -> Callable[[], None]:
     return run
 
 
-def _export_random_init(reference: Path, out: Path, seed: int) -> None:
+def export_random_init(reference: Path, out: Path, seed: int) -> None:
     """A randomly initialised trunk of the same architecture and preprocessing as the MSN bundle."""
     import torch
 
@@ -227,6 +229,22 @@ def collect(work: Path, profile: str, seconds: float) -> dict:
             "default_ratio": default_ratio, "lambd": DEFAULT_LAMBD, "runs": runs, "evals": evals}
 
 
+def run_steps(steps: list[Step], work: Path, force: bool = False) -> dict[str, float]:
+    """Run the steps not done yet; return every step's duration in seconds (kept in ``work/timings.json``)."""
+    timings_path = work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    for i, step in enumerate(steps, 1):
+        if step.done() and not force:
+            continue
+        print(f"[{i}/{len(steps)}] {step.name}", flush=True)
+        start = time.perf_counter()
+        step.action()
+        timings[step.name] = time.perf_counter() - start
+        work.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(timings_path, timings)
+    return timings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
@@ -253,17 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{i:2d}. [{state}] {step.name}\n      {shlex.join(step.command)}")
         print(f"then: {docs / 'results' / (args.profile + '.json')} and {docs / 'results.md'}")
         return 0
-    timings_path = work / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    for i, step in enumerate(steps, 1):
-        if step.done() and not args.force:
-            continue
-        print(f"[{i}/{len(steps)}] {step.name}", flush=True)
-        start = time.perf_counter()
-        step.action()
-        timings[step.name] = time.perf_counter() - start
-        work.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(timings_path, timings)
+    timings = run_steps(steps, work, args.force)
     result = collect(work, args.profile, sum(timings.values()))
     atomic_write_json(docs / "results" / f"{args.profile}.json", result)
     atomic_write_bytes(docs / "results.md", lambda f: f.write(render(docs).encode()))

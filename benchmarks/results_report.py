@@ -47,7 +47,7 @@ def _acc(evals: dict, key: str, setting: str) -> str:
     return "n/a"
 
 
-def _mean(evals: dict, key: str, setting: str) -> float | None:
+def mean_accuracy(evals: dict, key: str, setting: str) -> float | None:
     rows = [r for r in evals.get(key, {}).get("results", []) if r.get("setting") == setting]
     return rows[0]["mean"] if rows else None
 
@@ -77,8 +77,8 @@ def render_profile(result: dict) -> str:
     ev, runs = result["evals"], result["runs"]
     label = {name: run["label"] for name, run in runs.items()}
     head = ["model", *(s for _, s in SETTINGS)]
-    m = {b: _mean(ev, f"{b}-lowshot", "5imgs_class") for b in [*runs, "random_init", "pixels"]}
-    beats = [_mean(ev, "msn-lowshot", s) for s, _ in SETTINGS[:3]]
+    m = {b: mean_accuracy(ev, f"{b}-lowshot", "5imgs_class") for b in [*runs, "random_init", "pixels"]}
+    beats = [mean_accuracy(ev, "msn-lowshot", s) for s, _ in SETTINGS[:3]]
     out = [f"## Profile `{result['profile']}`: {result['machine']}",
            (f"Overrides `{result['overrides']}`; run time of all steps {result['seconds'] / 60:.1f} min. "
             "Low-shot top-1 (%) on the 10,000 test images, mean ± std over the 3 shipped splits; "
@@ -89,7 +89,7 @@ def render_profile(result: dict) -> str:
                                ("pixels", "raw pixels"), ("focal_only", label["focal_only"])],
                           lambda b: _knn(ev, b))), ""]
     for base in ("random_init", "pixels", "focal_only"):
-        others = [_mean(ev, f"{base}-lowshot", s) for s, _ in SETTINGS[:3]]
+        others = [mean_accuracy(ev, f"{base}-lowshot", s) for s, _ in SETTINGS[:3]]
         ok = None if None in beats + others else all(a > b for a, b in zip(beats, others))
         out.append(f"- MSN above {base} at 1, 2 and 5 images per class: {_verdict(ok)} (paper: yes).")
     strategy = [("no_mask", "none", 49.3), ("focal_only", "focal only", 39.3), ("random_only", "random only", 52.3),
@@ -161,6 +161,45 @@ def render_rcdm(result: dict) -> str:
         f"![original, masked, 4 MSN samples, 4 random-encoder samples]({result['grid']['file']})", ""])
 
 
+BUDGET_JSON, BUDGET_PNG = "budget_curve.json", "budget_curve.png"
+
+
+def render_budget(result: dict) -> str:
+    """``benchmarks/budget_curve.py``: low-shot accuracy after each epoch of one long run, with the baselines."""
+    ev = result["evals"]
+    rows = [(f"ep{e:04d}", f"MSN after {e} epoch{'s' if e > 1 else ''}") for e in result["eval_epochs"]]
+    rows += [("random_init", "random-init ViT"), ("pixels", "raw pixels")]
+    return "\n".join([
+        "## Low-shot accuracy against pretraining budget", "",
+        (f"`python benchmarks/budget_curve.py` on {result['machine']}: `{result['config']}` trained for "
+         f"{result['epochs']} epochs as one cosine schedule ({result['pretrain_step_seconds'] / 60:.0f} min of "
+         f"optimiser steps), the target encoder exported and evaluated after the listed epochs "
+         f"({result['eval_seconds'] / 60:.0f} min to export and evaluate). Low-shot top-1 (%), mean ± std over the 3 "
+         "shipped splits; kNN on the first 10k training images. An early epoch is a checkpoint of the long "
+         "schedule, not a run of that length."), "",
+        _table(["model", *(s for _, s in SETTINGS), f"kNN k=20 ({KNN_TRAIN // 1000}k train)"],
+               _lowshot_rows(ev, rows, lambda b: _knn(ev, b))), "",
+        *(_budget_verdict(ev, result["eval_epochs"], base, name) for base, name in
+          (("random_init", "the random-init ViT"), ("pixels", "raw pixels"))), "",
+        f"![low-shot accuracy against pretraining epochs, raw pixels dashed]({BUDGET_PNG})", ""])
+
+
+def _budget_verdict(ev: dict, epochs: list[int], base: str, name: str) -> str:
+    """From which evaluated epoch on MSN stays above ``base`` at 1, 2 and 5 labels per class."""
+    shots = [s for s, _ in SETTINGS[:3]]
+    others = [mean_accuracy(ev, f"{base}-lowshot", s) for s in shots]
+    above = []
+    for epoch in epochs:
+        ours = [mean_accuracy(ev, f"ep{epoch:04d}-lowshot", s) for s in shots]
+        if None in ours + others:
+            return f"- MSN above {name} at 1, 2 and 5 images per class: n/a."
+        above.append(all(a > b for a, b in zip(ours, others)))
+    first = next((e for i, e in enumerate(epochs) if all(above[i:])), None)
+    if first is None:
+        return f"- MSN above {name} at 1, 2 and 5 images per class: **not by epoch {epochs[-1]}**."
+    return f"- MSN above {name} at 1, 2 and 5 images per class: from epoch {first} on (paper: yes)."
+
+
 def render(docs: Path) -> str:
     profiles = [json.loads(p.read_text()) for p in sorted((docs / "results").glob("*.json"))]
     rcdm = docs / "rcdm_eval.json"
@@ -170,6 +209,9 @@ def render(docs: Path) -> str:
               "`docs/results-notes.md`). Paper numbers are ViT on ImageNet-1k and are shown for the direction of "
               "each effect, not for the values."), ""]
     parts += [render_profile(p) for p in profiles]
+    budget = docs / BUDGET_JSON
+    if budget.exists():
+        parts.append(render_budget(json.loads(budget.read_text())))
     if rcdm.exists():
         parts.append(render_rcdm(json.loads(rcdm.read_text())))
     if notes.exists():

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -114,7 +115,7 @@ def export_bundle(
         parity = _parity_check(graph, staging / ONNX_FILE, parity_atol) if parity_check else None
         meta = {
             "format_version": FORMAT_VERSION,
-            "model_id": f"msn-{arch.removeprefix('vit_')}{encoder.patch_size}-{weights['sha256'][:12]}",
+            "model_id": f"msn-{arch.removeprefix('vit_')}{encoder.patch_size}-{weights['content_sha256'][:12]}",
             "architecture": {
                 "name": arch,
                 **{k: v for k, v in encoder_kwargs(encoder).items() if k != "drop_path_rate"},
@@ -174,12 +175,25 @@ def _write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2, default=str) + "\n")
 
 
+def weights_digest(state: dict[str, Tensor]) -> str:
+    """SHA-256 of the tensors themselves (sorted names, dtypes, shapes, bytes).
+
+    The model id is built from this and not from the file's hash: safetensors writes its metadata in a hash-map
+    order that changes from process to process, so re-exporting the same weights gives a different file."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        tensor = state[key].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{key}:{state[key].dtype}:{tuple(state[key].shape)};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
 def _save_weights(encoder: VisionTransformer, path: Path) -> dict:
     state = {key: value.detach().contiguous() for key, value in encoder.state_dict().items()}
     save_file(
         state, str(path), metadata={"format": "pt", "encoder_kwargs": json.dumps(encoder_kwargs(encoder))}
     )
-    return {"file": WEIGHTS_FILE, "sha256": file_sha256(path)}
+    return {"file": WEIGHTS_FILE, "sha256": file_sha256(path), "content_sha256": weights_digest(state)}
 
 
 def _example_inputs(encoder: VisionTransformer, batch: int, keep: int, seed: int = 0) -> tuple[Tensor, ...]:

@@ -90,6 +90,21 @@ def test_bundle_holds_exactly_the_contract(exported):
     diffs = meta["parity"]["max_abs_diff"]
     assert set(diffs) == {"keep_all", "keep_30pct", "padded_mixed"} and max(diffs.values()) <= 1e-4
     assert meta["weights"]["sha256"] == export.file_sha256(bundle / "encoder.safetensors")
+    assert meta["model_id"].endswith(export.weights_digest(exported[0].state_dict())[:12])
+
+
+def test_model_id_depends_on_the_weights_not_on_the_file_bytes(exported, tmp_path):
+    """safetensors orders its metadata differently from process to process; the model id must not follow."""
+    from safetensors.torch import load_file, save_file
+
+    _, _, bundle = exported
+    state = load_file(bundle / "encoder.safetensors")
+    save_file(state, str(tmp_path / "a.safetensors"), metadata={"x": "1", "y": "2"})
+    save_file(state, str(tmp_path / "b.safetensors"), metadata={"y": "2", "x": "1", "z": "3"})
+    assert export.file_sha256(tmp_path / "a.safetensors") != export.file_sha256(tmp_path / "b.safetensors")
+    assert export.weights_digest(load_file(tmp_path / "a.safetensors")) == export.weights_digest(state)
+    changed = {**state, "cls_token": state["cls_token"] + 1e-6}
+    assert export.weights_digest(changed) != export.weights_digest(state)
 
 
 @pytest.mark.parametrize(("batch", "keep"), [(1, NUM_PATCHES), (5, NUM_PATCHES), (5, 19), (1, 1)])
