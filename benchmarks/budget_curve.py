@@ -45,6 +45,7 @@ from benchmarks.results_report import (
     BUDGET_PNG,
     KNN_TRAIN,
     SETTINGS,
+    budget_bundle,
     machine,
     mean_accuracy,
     render,
@@ -55,28 +56,24 @@ KEEP_EPOCHS = "run.keep_epoch_checkpoints"
 SHOTS = ("1", "2", "5", "1percent")
 
 
-def bundle_name(epoch: int) -> str:
-    return f"ep{epoch:04d}"
-
-
 def build_plan(work: Path, epochs: int, eval_epochs: list[int], nproc: int, seed: int) -> list[Step]:
     run_dir = work / f"msn-{epochs}ep"
     cmd = [*torchrun_command(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(ROOT)),
            "--output-dir", str(run_dir), "--resume", *set_args({SEED: seed, EPOCHS: epochs, KEEP_EPOCHS: 1})]
     steps = [Step(f"pretrain {epochs} epochs", cmd, [run_dir / "done"], pretrain_action(cmd, run_dir))]
     for epoch in eval_epochs:
-        name = bundle_name(epoch)
+        name = budget_bundle(epoch)
         export = [sys.executable, "-m", "training.export", "--checkpoint", str(run_dir / f"checkpoint-{name}.pt"),
                   "--out", str(work / "bundles" / name)]
         steps.append(Step(f"export epoch {epoch}", export, [work / "bundles" / name / "msn.json"],
                           subprocess_action(export)))
-    first = bundle_name(eval_epochs[0])
+    first = budget_bundle(eval_epochs[0])
     random_dir = work / "bundles" / "random_init"
     steps.append(Step("export random_init", [f"(python) export_bundle(VisionTransformer(**arch), seed {seed})"],
                       [random_dir / "msn.json"],
                       lambda: export_random_init(work / "bundles" / first, random_dir, seed)))
     lowshot, knn = ["--shots", *SHOTS, "--splits", "3"], ["--max-train", str(KNN_TRAIN)]
-    for bundle in [*map(bundle_name, eval_epochs), "random_init", "pixels"]:
+    for bundle in [*map(budget_bundle, eval_epochs), "random_init", "pixels"]:
         extra = ["--backend", "pixels"] if bundle == "pixels" else []
         steps.append(eval_step(work, bundle, "lowshot", [*lowshot, *extra], pixels_source=first))
         steps.append(eval_step(work, bundle, "knn", [*knn, *extra], pixels_source=first))
@@ -102,7 +99,7 @@ def step_seconds(run_dir: Path) -> float:
 
 def collect(work: Path, epochs: int, eval_epochs: list[int], seconds: dict[str, float]) -> dict:
     evals = {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
-    keep = {f"{b}-{c}" for b in [*map(bundle_name, eval_epochs), "random_init", "pixels"] for c in ("lowshot", "knn")}
+    keep = {f"{b}-{c}" for b in [*map(budget_bundle, eval_epochs), "random_init", "pixels"] for c in ("lowshot", "knn")}
     return {"machine": machine(), "config": str(CONFIG.relative_to(ROOT)), "epochs": epochs,
             "eval_epochs": eval_epochs, "pretrain_step_seconds": step_seconds(work / f"msn-{epochs}ep"),
             "eval_seconds": sum(v for k, v in seconds.items() if not k.startswith("pretrain")),
@@ -118,7 +115,7 @@ def plot(result: dict, png: Path) -> None:
     ev, epochs = result["evals"], result["eval_epochs"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (setting, label), colour in zip(SETTINGS[:3], ("tab:blue", "tab:orange", "tab:green")):
-        msn = [mean_accuracy(ev, f"{bundle_name(e)}-lowshot", setting) for e in epochs]
+        msn = [mean_accuracy(ev, f"{budget_bundle(e)}-lowshot", setting) for e in epochs]
         ax.plot(epochs, msn, "o-", color=colour, label=f"MSN, {label}")
         pixels = mean_accuracy(ev, "pixels-lowshot", setting)
         if pixels is not None:

@@ -164,10 +164,15 @@ def render_rcdm(result: dict) -> str:
 BUDGET_JSON, BUDGET_PNG = "budget_curve.json", "budget_curve.png"
 
 
+def budget_bundle(epoch: int) -> str:
+    """Name of the bundle (and eval prefix) of the budget curve's checkpoint after ``epoch`` epochs."""
+    return f"ep{epoch:04d}"
+
+
 def render_budget(result: dict) -> str:
     """``benchmarks/budget_curve.py``: low-shot accuracy after each epoch of one long run, with the baselines."""
     ev = result["evals"]
-    rows = [(f"ep{e:04d}", f"MSN after {e} epoch{'s' if e > 1 else ''}") for e in result["eval_epochs"]]
+    rows = [(budget_bundle(e), f"MSN after {e} epoch{'s' if e > 1 else ''}") for e in result["eval_epochs"]]
     rows += [("random_init", "random-init ViT"), ("pixels", "raw pixels")]
     return "\n".join([
         "## Low-shot accuracy against pretraining budget", "",
@@ -190,7 +195,7 @@ def _budget_verdict(ev: dict, epochs: list[int], base: str, name: str) -> str:
     others = [mean_accuracy(ev, f"{base}-lowshot", s) for s in shots]
     above = []
     for epoch in epochs:
-        ours = [mean_accuracy(ev, f"ep{epoch:04d}-lowshot", s) for s in shots]
+        ours = [mean_accuracy(ev, f"{budget_bundle(epoch)}-lowshot", s) for s in shots]
         if None in ours + others:
             return f"- MSN above {name} at 1, 2 and 5 images per class: n/a."
         above.append(all(a > b for a, b in zip(ours, others)))
