@@ -31,6 +31,7 @@ from benchmarks.paper_tables import (
     DOCS,
     EPOCHS,
     SEED,
+    SHOTS,
     Step,
     eval_step,
     export_random_init,
@@ -53,11 +54,10 @@ from benchmarks.results_report import (
 from training.checkpoint import atomic_write_bytes, atomic_write_json
 
 KEEP_EPOCHS = "run.keep_epoch_checkpoints"
-SHOTS = ("1", "2", "5", "1percent")
 
 
 def build_plan(work: Path, epochs: int, eval_epochs: list[int], nproc: int, seed: int) -> list[Step]:
-    run_dir = work / f"msn-{epochs}ep"
+    run_dir = work / "run"
     cmd = [*torchrun_command(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(ROOT)),
            "--output-dir", str(run_dir), "--resume", *set_args({SEED: seed, EPOCHS: epochs, KEEP_EPOCHS: 1})]
     steps = [Step(f"pretrain {epochs} epochs", cmd, [run_dir / "done"], pretrain_action(cmd, run_dir))]
@@ -101,7 +101,7 @@ def collect(work: Path, epochs: int, eval_epochs: list[int], seconds: dict[str, 
     evals = {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
     keep = {f"{b}-{c}" for b in [*map(budget_bundle, eval_epochs), "random_init", "pixels"] for c in ("lowshot", "knn")}
     return {"machine": machine(), "config": str(CONFIG.relative_to(ROOT)), "epochs": epochs,
-            "eval_epochs": eval_epochs, "pretrain_step_seconds": step_seconds(work / f"msn-{epochs}ep"),
+            "eval_epochs": eval_epochs, "pretrain_step_seconds": step_seconds(work / "run"),
             "eval_seconds": sum(v for k, v in seconds.items() if not k.startswith("pretrain")),
             "evals": {k: v for k, v in evals.items() if k in keep}}
 
@@ -136,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-epochs", type=int, nargs="+", help="epochs to evaluate (default: 1, 2, 4, ... last)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nproc", type=int, default=1, help="processes per pretraining run (torchrun)")
-    parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "budget")
+    parser.add_argument("--workdir", type=Path, help="run, bundles, evaluations (default: runs/budget/<E>ep-seed<S>)")
     parser.add_argument("--docs", type=Path, default=DOCS)
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = parser.parse_args(argv)
     eval_epochs = sorted(set(args.eval_epochs or [1, *range(2, args.epochs + 1, 2), args.epochs]))
     if not 1 <= eval_epochs[0] <= eval_epochs[-1] <= args.epochs:
         parser.error(f"--eval-epochs must lie in 1..{args.epochs}")
-    work, docs = args.workdir.resolve(), args.docs.resolve()
+    work = (args.workdir or ROOT / "runs" / "budget" / f"{args.epochs}ep-seed{args.seed}").resolve()
+    docs = args.docs.resolve()
     steps = build_plan(work, args.epochs, eval_epochs, args.nproc, args.seed)
     if args.dry_run:
         for i, step in enumerate(steps, 1):
