@@ -1,7 +1,7 @@
 """Low-shot accuracy against pretraining budget: one long MSN run, evaluated after each epoch.
 
     python benchmarks/budget_curve.py --dry-run            # print the plan, run nothing
-    python benchmarks/budget_curve.py                      # 10 epochs of the demo config (~75 min on 2 cores)
+    python benchmarks/budget_curve.py                      # 10 epochs of the demo config (~80 min on 2 cores)
     python benchmarks/budget_curve.py --epochs 40 --nproc 8   # a longer schedule on 8 GPUs
 
 The CPU profile of ``paper_tables.py`` stops every run after 300 steps, where MSN is still below raw pixels on
