@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from benchmarks.paper_tables import (
     eval_step,
     export_random_init,
     pretrain_action,
+    print_plan,
     run_steps,
     set_args,
     subprocess_action,
@@ -56,6 +56,11 @@ from training.checkpoint import atomic_write_bytes, atomic_write_json
 KEEP_EPOCHS = "run.keep_epoch_checkpoints"
 
 
+def evaluated_bundles(eval_epochs: list[int]) -> list[str]:
+    """The bundles the curve evaluates: one per evaluated epoch, then the two baselines."""
+    return [*map(budget_bundle, eval_epochs), "random_init", "pixels"]
+
+
 def build_plan(work: Path, epochs: int, eval_epochs: list[int], nproc: int, seed: int) -> list[Step]:
     run_dir = work / "run"
     cmd = [*torchrun_command(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(ROOT)),
@@ -73,7 +78,7 @@ def build_plan(work: Path, epochs: int, eval_epochs: list[int], nproc: int, seed
                       [random_dir / "msn.json"],
                       lambda: export_random_init(work / "bundles" / first, random_dir, seed)))
     lowshot, knn = ["--shots", *SHOTS, "--splits", "3"], ["--max-train", str(KNN_TRAIN)]
-    for bundle in [*map(budget_bundle, eval_epochs), "random_init", "pixels"]:
+    for bundle in evaluated_bundles(eval_epochs):
         extra = ["--backend", "pixels"] if bundle == "pixels" else []
         steps.append(eval_step(work, bundle, "lowshot", [*lowshot, *extra], pixels_source=first))
         steps.append(eval_step(work, bundle, "knn", [*knn, *extra], pixels_source=first))
@@ -99,7 +104,7 @@ def step_seconds(run_dir: Path) -> float:
 
 def collect(work: Path, epochs: int, eval_epochs: list[int], seconds: dict[str, float]) -> dict:
     evals = {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
-    keep = {f"{b}-{c}" for b in [*map(budget_bundle, eval_epochs), "random_init", "pixels"] for c in ("lowshot", "knn")}
+    keep = {f"{b}-{c}" for b in evaluated_bundles(eval_epochs) for c in ("lowshot", "knn")}
     return {"machine": machine(), "config": str(CONFIG.relative_to(ROOT)), "epochs": epochs,
             "eval_epochs": eval_epochs, "pretrain_step_seconds": step_seconds(work / "run"),
             "eval_seconds": sum(v for k, v in seconds.items() if not k.startswith("pretrain")),
@@ -147,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     docs = args.docs.resolve()
     steps = build_plan(work, args.epochs, eval_epochs, args.nproc, args.seed)
     if args.dry_run:
-        for i, step in enumerate(steps, 1):
-            print(f"{i:2d}. [{'done' if step.done() else 'todo'}] {step.name}\n      {shlex.join(step.command)}")
+        print_plan(steps)
         return 0
     timings = run_steps(steps, work)
     result = collect(work, args.epochs, eval_epochs, timings)

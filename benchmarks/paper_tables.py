@@ -229,6 +229,12 @@ def collect(work: Path, profile: str, seconds: float) -> dict:
             "default_ratio": default_ratio, "lambd": DEFAULT_LAMBD, "runs": runs, "evals": evals}
 
 
+def print_plan(steps: list[Step], force: bool = False) -> None:
+    for i, step in enumerate(steps, 1):
+        state = "done" if step.done() and not force else "todo"
+        print(f"{i:2d}. [{state}] {step.name}\n      {shlex.join(step.command)}")
+
+
 def run_steps(steps: list[Step], work: Path, force: bool = False) -> dict[str, float]:
     """Run the steps not done yet; return every step's duration in seconds (kept in ``work/timings.json``)."""
     timings_path = work / "timings.json"
@@ -266,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     steps = build_plan(work, args.profile, args.nproc, docs)
     if args.dry_run:
-        for i, step in enumerate(steps, 1):
-            state = "done" if step.done() and not args.force else "todo"
-            print(f"{i:2d}. [{state}] {step.name}\n      {shlex.join(step.command)}")
+        print_plan(steps, args.force)
         print(f"then: {docs / 'results' / (args.profile + '.json')} and {docs / 'results.md'}")
         return 0
     timings = run_steps(steps, work, args.force)
