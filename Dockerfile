@@ -21,6 +21,7 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 FROM ${PYTHON_IMAGE} AS source
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
+COPY msn_core/ msn_core/
 COPY training/ training/
 COPY msn_serve/ msn_serve/
 COPY visualizer/ visualizer/
@@ -35,7 +36,7 @@ ENV PATH=/opt/venv/bin:$PATH
 COPY --from=source /src /src
 WORKDIR /src
 RUN pip install --no-cache-dir -c constraints.txt ".[serve]" \
-    && python -c "import msn_serve, onnxruntime, faiss; print('onnxruntime', onnxruntime.__version__)" \
+    && python -c "import msn_core, msn_serve, onnxruntime, faiss; print('onnxruntime', onnxruntime.__version__)" \
     && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve image" >&2; exit 1; fi
 
 FROM ${PYTHON_IMAGE} AS serve

@@ -61,7 +61,7 @@ test: setup data
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check training msn_serve visualizer tests benchmarks
+	$(VENV)/bin/ruff check msn_core training msn_serve visualizer tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs bundles .pytest_cache

@@ -1,0 +1,259 @@
+"""The exported bundle: the ``msn.json`` schema as typed dataclasses, its reader/validator and writer, and the
+ONNX graph's input contract. ``msn-export`` writes it; serving, evaluation and the visualizer read it only here.
+
+A bundle directory holds ``model.onnx`` (+ ``model.onnx.data`` when large), ``encoder.safetensors`` and ``msn.json``.
+The graph (format 2) takes ``pixel_values`` float32 ``(B, C, H, W)``, normalised as ``preprocessing`` says, and
+``keep_idx`` int64 ``(B, K)``: the kept patches, row-major; a batch whose images keep different numbers of patches
+pads the short rows with ``-1`` (:data:`msn_core.masks.PAD`). It returns ``embedding`` float32 ``(B, D)``; B and K are
+dynamic. Format 1 graphs had a third, required input ``keep_mask`` bool ``(B, K)`` instead of the ``-1`` padding;
+they are still read, and :func:`onnx_feeds` feeds either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msn_core.durable import atomic_write_json
+from msn_core.masks import PAD
+
+__all__ = [
+    "FEATURES",
+    "FORMAT_VERSION",
+    "GRAPH_INPUTS",
+    "META_FILE",
+    "ONNX_FILE",
+    "OUTPUT_NAME",
+    "READABLE_FORMAT_VERSIONS",
+    "WEIGHTS_FILE",
+    "Architecture",
+    "BundleError",
+    "BundleInfo",
+    "Preprocessing",
+    "check_graph_inputs",
+    "load_bundle_info",
+    "onnx_feeds",
+    "parse_bundle_info",
+    "write_bundle_info",
+]
+
+FORMAT_VERSION = 2  # 2: keep_idx carries -1 padding, no keep_mask input
+READABLE_FORMAT_VERSIONS = (1, 2)
+META_FILE, ONNX_FILE, WEIGHTS_FILE = "msn.json", "model.onnx", "encoder.safetensors"
+FEATURES = ("cls_pre_norm", "cls_post_norm")  # cls_pre_norm: what the paper's low-shot evaluation uses
+GRAPH_INPUTS = ("pixel_values", "keep_idx")
+LEGACY_MASK_INPUT = "keep_mask"
+OUTPUT_NAME = "embedding"
+
+
+class BundleError(ValueError):
+    """The bundle is unusable: a missing file, or ``msn.json`` missing a field or contradicting itself."""
+
+
+def _positive_ints(obj: Any, names: Collection[str]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BundleError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """Evaluation transform: shorter side to ``resize`` (``interpolation``), centre crop ``crop``, then
+    ``(x / 255 - mean) / std`` per channel on ``channels`` (1 = grey, 3 = RGB)."""
+
+    resize: int
+    crop: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    channels: int = 3
+    interpolation: str = "bicubic"
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, ("resize", "crop", "channels"))
+        if self.resize < self.crop:
+            raise BundleError(f"preprocessing.resize {self.resize} is smaller than crop {self.crop}")
+        if self.channels not in (1, 3):
+            raise BundleError(f"preprocessing.channels must be 1 or 3, got {self.channels}")
+        if len(self.mean) != self.channels or len(self.std) != self.channels:
+            raise BundleError("preprocessing.mean and .std need one entry per channel")
+        if not all(math.isfinite(v) for v in self.mean + self.std) or min(self.std) <= 0:
+            raise BundleError("preprocessing.mean must be finite and .std positive")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Preprocessing:
+        return cls(resize=int(d["resize"]), crop=int(d["crop"]), mean=tuple(float(m) for m in d["mean"]),
+                   std=tuple(float(s) for s in d["std"]), channels=int(d.get("channels", 3)),
+                   interpolation=str(d.get("interpolation", "bicubic")))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mean": list(self.mean), "std": list(self.std)}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The ViT trunk: ``name`` plus the constructor arguments of ``training.vit.VisionTransformer``."""
+
+    name: str
+    image_size: int
+    patch_size: int
+    embed_dim: int
+    depth: int
+    num_heads: int
+    in_chans: int = 3
+    mlp_ratio: float = 4.0
+
+    def __post_init__(self) -> None:
+        _positive_ints(self, ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "in_chans"))
+        if self.image_size % self.patch_size:
+            raise BundleError(f"architecture.image_size {self.image_size} is not a multiple of patch_size "
+                              f"{self.patch_size}")
+        if self.embed_dim % self.num_heads:
+            raise BundleError(f"architecture.embed_dim {self.embed_dim} is not divisible by num_heads "
+                              f"{self.num_heads}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Architecture:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise BundleError(f"unknown architecture field(s) {unknown}")
+        ints = {k: int(d[k]) for k in ("image_size", "patch_size", "embed_dim", "depth", "num_heads")}
+        return cls(name=str(d.get("name", "vit_custom")), in_chans=int(d.get("in_chans", 3)),
+                   mlp_ratio=float(d.get("mlp_ratio", 4.0)), **ints)
+
+    def encoder_kwargs(self) -> dict[str, Any]:
+        """Everything but the name: ``VisionTransformer(**kwargs)`` rebuilds the trunk."""
+        return {k: v for k, v in asdict(self).items() if k != "name"}
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid * self.grid
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    """A bundle's ``msn.json``. ``onnx`` records the graph's I/O as exported; ``extra`` keeps the provenance fields
+    (weights hash, source checkpoint, training summary, parity figures, export time) as written."""
+
+    model_id: str
+    architecture: Architecture
+    preprocessing: Preprocessing
+    feature: str = "cls_pre_norm"
+    format_version: int = FORMAT_VERSION
+    onnx: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise BundleError(f"model_id must be a non-empty string, got {self.model_id!r}")
+        if self.format_version not in READABLE_FORMAT_VERSIONS:
+            raise BundleError(f"format_version {self.format_version!r} is not one this version reads "
+                              f"{READABLE_FORMAT_VERSIONS}; upgrade msn")
+        if self.feature not in FEATURES:
+            raise BundleError(f"feature {self.feature!r} is not one of {FEATURES}")
+        arch, pre = self.architecture, self.preprocessing
+        if pre.crop != arch.image_size:
+            raise BundleError(f"preprocessing.crop {pre.crop} differs from architecture.image_size {arch.image_size}")
+        if pre.channels != arch.in_chans:
+            raise BundleError(f"preprocessing.channels {pre.channels} differs from architecture.in_chans "
+                              f"{arch.in_chans}")
+
+    embed_dim = property(lambda self: self.architecture.embed_dim)
+    patch_size = property(lambda self: self.architecture.patch_size)
+    image_size = property(lambda self: self.architecture.image_size)
+    in_chans = property(lambda self: self.architecture.in_chans)
+    grid = property(lambda self: self.architecture.grid)
+    num_patches = property(lambda self: self.architecture.num_patches)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``msn.json`` document."""
+        return {"format_version": self.format_version, "model_id": self.model_id,
+                "architecture": asdict(self.architecture), "preprocessing": self.preprocessing.to_dict(),
+                "feature": self.feature, "onnx": self.onnx, **self.extra}
+
+
+_CORE_KEYS = ("format_version", "model_id", "architecture", "preprocessing", "feature", "onnx")
+
+
+def parse_bundle_info(document: Any, *, where: str = META_FILE, path: Path | None = None) -> BundleInfo:
+    """Validate an ``msn.json`` document; :class:`BundleError` names ``where`` and the problem."""
+    if not isinstance(document, dict):
+        raise BundleError(f"{where}: expected a JSON object, got {type(document).__name__}")
+    try:
+        if "format_version" not in document:
+            raise BundleError("no format_version (is this an msn-export bundle?)")
+        version = document["format_version"]
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise BundleError(f"format_version must be an integer, got {version!r}")
+        return BundleInfo(
+            model_id=document["model_id"], architecture=Architecture.from_dict(document["architecture"]),
+            preprocessing=Preprocessing.from_dict(document["preprocessing"]),
+            feature=document.get("feature", "cls_pre_norm"), format_version=version, onnx=document.get("onnx"),
+            extra={k: v for k, v in document.items() if k not in _CORE_KEYS}, path=path)
+    except BundleError as e:
+        raise BundleError(f"{where}: {e}") from None
+    except KeyError as e:
+        raise BundleError(f"{where}: missing field {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise BundleError(f"{where}: malformed field ({e})") from None
+
+
+def load_bundle_info(bundle_dir: str | os.PathLike, *, need: Collection[str] = ()) -> BundleInfo:
+    """Read and validate ``bundle_dir/msn.json``; ``need`` names files that must exist too (``ONNX_FILE``, ...)."""
+    bundle_dir = Path(bundle_dir)
+    meta = bundle_dir / META_FILE
+    if not meta.is_file():
+        why = "it does not exist" if not bundle_dir.exists() else f"no {META_FILE}"
+        raise BundleError(f"{bundle_dir} is not an MSN bundle ({why}); msn-export writes one")
+    for name in need:
+        if not (bundle_dir / name).is_file():
+            raise BundleError(f"{bundle_dir}: no {name} (is this a complete msn-export bundle?)")
+    try:
+        document = json.loads(meta.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{meta}: not valid JSON: {e}") from None
+    return parse_bundle_info(document, where=str(meta), path=bundle_dir)
+
+
+def write_bundle_info(bundle_dir: str | os.PathLike, info: BundleInfo) -> None:
+    """Write ``msn.json`` durably, after checking that it reads back as the same bundle."""
+    document = info.to_dict()
+    parse_bundle_info(json.loads(json.dumps(document)), where="the msn.json being written")
+    atomic_write_json(Path(bundle_dir) / META_FILE, document, indent=2)
+
+
+def check_graph_inputs(names: Collection[str], where: str = ONNX_FILE) -> None:
+    """A bundle graph takes ``pixel_values`` and ``keep_idx`` (and ``keep_mask`` in format 1), nothing else."""
+    missing = [n for n in GRAPH_INPUTS if n not in names]
+    unknown = sorted(set(names) - set(GRAPH_INPUTS) - {LEGACY_MASK_INPUT})
+    if missing or unknown:
+        raise BundleError(f"{where}: graph inputs {sorted(names)} are not a bundle's: expected "
+                          f"{list(GRAPH_INPUTS)} (format 1 also {LEGACY_MASK_INPUT!r})")
+
+
+def onnx_feeds(input_names: Collection[str], pixel_values: np.ndarray,
+               keep_idx: np.ndarray) -> dict[str, np.ndarray]:
+    """ONNX Runtime feeds for a bundle graph; ``keep_idx`` (B, K) may hold ``-1`` padding.
+
+    A format 1 graph (one with a ``keep_mask`` input) gets the padding as ``keep_mask = keep_idx >= 0`` and index 0
+    in the padded slots, which is what it was exported with.
+    """
+    keep = np.ascontiguousarray(keep_idx, dtype=np.int64)
+    feeds = {"pixel_values": np.ascontiguousarray(pixel_values, dtype=np.float32)}
+    if LEGACY_MASK_INPUT in input_names:
+        feeds[LEGACY_MASK_INPUT] = keep != PAD
+        keep = np.where(keep == PAD, 0, keep)
+    feeds["keep_idx"] = keep
+    return feeds
