@@ -36,7 +36,7 @@ from benchmarks.results_report import (
     render,
     tsne_name,
 )
-from training.checkpoint import atomic_write_bytes, atomic_write_json
+from msn_core.durable import atomic_write, atomic_write_json
 
 CONFIG = ROOT / "configs" / "fmnist_vit_tiny.yaml"
 DOCS = ROOT / "docs"
@@ -171,15 +171,14 @@ def export_random_init(reference: Path, out: Path, seed: int) -> None:
     """A randomly initialised trunk of the same architecture and preprocessing as the MSN bundle."""
     import torch
 
-    from training.evaluation.features import read_bundle_config
+    from msn_core.bundle import load_bundle_info
     from training.export import export_bundle
     from training.vit import VisionTransformer
 
-    meta = read_bundle_config(reference)
+    info = load_bundle_info(reference)
     torch.manual_seed(seed)
-    arch = {k: v for k, v in meta["architecture"].items() if k != "name"}
-    export_bundle(VisionTransformer(**arch), out, arch=meta["architecture"]["name"],
-                  preprocessing=meta["preprocessing"], source_kind="random-init")
+    export_bundle(VisionTransformer(**info.architecture.encoder_kwargs()), out, arch=info.architecture.name,
+                  preprocessing=info.preprocessing.to_dict(), source_kind="random-init")
 
 
 def plot_tsne(work: Path, png: Path) -> None:
@@ -190,19 +189,15 @@ def plot_tsne(work: Path, png: Path) -> None:
     import numpy as np
     from sklearn.manifold import TSNE
 
+    from msn_core.bundle import load_bundle_info
     from training.data import FashionMNIST
-    from training.evaluation.features import (
-        bundle_fingerprint,
-        extract_features,
-        load_embedder,
-        read_bundle_config,
-    )
+    from training.evaluation.features import bundle_fingerprint, extract_features, load_embedder
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for ax, name in zip(axes, ("msn", "random_init")):
         bundle = work / "bundles" / name
-        pre = read_bundle_config(bundle)["preprocessing"]
-        test = FashionMNIST(split="test", load_size=int(pre["resize"]))
+        pre = load_bundle_info(bundle).preprocessing
+        test = FashionMNIST(split="test", load_size=pre.resize)
         feats = extract_features(test, load_embedder(bundle), preprocessing=pre, indices=np.arange(TSNE_POINTS),
                                  cache_dir=work / "feature-cache", cache_tag=bundle_fingerprint(bundle))
         # Duplicate images give duplicate rows, which break sklearn's neighbour search: keep one of each.
@@ -268,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_tsne(work, args.plot_tsne)
         return 0
     if args.render_only:
-        atomic_write_bytes(docs / "results.md", lambda f: f.write(render(docs).encode()))
+        atomic_write(docs / "results.md", lambda f: f.write(render(docs).encode()))
         return 0
     steps = build_plan(work, args.profile, args.nproc, docs)
     if args.dry_run:
@@ -278,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = run_steps(steps, work, args.force)
     result = collect(work, args.profile, sum(timings.values()))
     atomic_write_json(docs / "results" / f"{args.profile}.json", result)
-    atomic_write_bytes(docs / "results.md", lambda f: f.write(render(docs).encode()))
+    atomic_write(docs / "results.md", lambda f: f.write(render(docs).encode()))
     print(f"wrote {docs / 'results.md'}; all steps took {result['seconds'] / 60:.1f} min")
     return 0
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.results_report import machine, render
-from training.checkpoint import atomic_write_bytes, atomic_write_json
+from msn_core.durable import atomic_write, atomic_write_json
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
 from training.masking import random_keep_idx
@@ -73,16 +73,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def random_bundle(msn_bundle: Path, out: Path, seed: int) -> Path:
     """A bundle with the MSN bundle's architecture and preprocessing but random-init weights."""
-    from training.export import export_bundle, load_bundle
-    from training.vit import VisionTransformer, encoder_kwargs
+    from msn_core.bundle import load_bundle_info
+    from training.export import export_bundle
+    from training.vit import VisionTransformer
 
     if (out / "msn.json").is_file():
         return out
-    encoder, meta = load_bundle(msn_bundle)
+    info = load_bundle_info(msn_bundle)
     torch.manual_seed(10_007 + seed)  # never the seed a test or demo bundle was initialised with
-    random_encoder = VisionTransformer(**encoder_kwargs(encoder))
-    export_bundle(random_encoder, out, arch=meta["architecture"]["name"], preprocessing=meta["preprocessing"],
-                  feature=meta["feature"], parity_check=False, source_kind="random-init")
+    random_encoder = VisionTransformer(**info.architecture.encoder_kwargs())
+    export_bundle(random_encoder, out, arch=info.architecture.name, preprocessing=info.preprocessing.to_dict(),
+                  feature=info.feature, parity_check=False, source_kind="random-init")
     return out
 
 
@@ -195,7 +196,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     })
     atomic_write_json(args.out_dir / "rcdm_eval.json", results)
     if not args.quick:  # docs/results.md carries the table
-        atomic_write_bytes(args.out_dir / "results.md", lambda f: f.write(render(args.out_dir).encode()))
+        atomic_write(args.out_dir / "results.md", lambda f: f.write(render(args.out_dir).encode()))
     return results
 
 

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.rcdm_eval import balanced_indices, images_of
 from benchmarks.results_report import machine
-from training.checkpoint import atomic_write_json
+from msn_core.durable import atomic_write_json
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
 from visualizer.pipeline import RCDMPipeline

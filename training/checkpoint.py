@@ -1,55 +1,29 @@
 """Atomic checkpoints and the RNG state that makes ``--resume`` continue bit-for-bit.
 
-A checkpoint is written to a temporary file in the same directory, fsynced, then renamed over the old one, so a
-crash (or SIGKILL) at any moment leaves either the previous checkpoint or the new one, never half of either.
+A checkpoint is written with :func:`msn_core.durable.atomic_write` (temporary file, fsync, rename, fsync of the
+directory), so a crash (or SIGKILL) at any moment leaves either the previous checkpoint or the new one.
 Everything stored is plain tensors, numbers, strings, lists and dicts: it loads with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from msn_core.durable import atomic_write, atomic_write_json
+
+# The durable writers under the names training code and benchmarks import them by.
+atomic_write_bytes = atomic_write
+__all__ = ["atomic_write_bytes", "atomic_write_json", "capture_rng_state", "copy_checkpoint", "file_sha256",
+           "load_checkpoint", "restore_rng_state", "save_checkpoint"]
+
 CHECKPOINT_FORMAT = "msn-train-checkpoint"
 CHECKPOINT_VERSION = 1
-
-
-def fsync_path(path: str | Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, write: Any) -> None:
-    """Call ``write(fileobj)`` on a temp file next to ``path``, fsync it, rename it into place, fsync the dir."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
 def save_checkpoint(

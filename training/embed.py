@@ -27,10 +27,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from training.checkpoint import atomic_write_bytes, atomic_write_json
+from msn_core.bundle import load_bundle_info
+from msn_core.durable import atomic_write, atomic_write_json
 from training.data import IMAGE_EXTENSIONS, ImageFolderDataset, load_image, pil_to_tensor
 from training.distributed import barrier, cleanup, init_distributed
-from training.evaluation.features import OnnxEmbedder, TorchEmbedder, bundle_fingerprint, read_bundle_config
+from training.evaluation.features import OnnxEmbedder, TorchEmbedder, bundle_fingerprint
 from training.views import eval_transform
 
 log = logging.getLogger("msn.embed")
@@ -126,9 +127,9 @@ def embed_shard(out: Path, s: int, items: list[tuple[str, str | None]], first_id
     name = shard_name(s)
     rows = [json.dumps({"id": i, "path": items[i - first_id][0], "label": items[i - first_id][1]})
             for i in ids]
-    atomic_write_bytes(out / f"{name}.emb.npy", lambda f: np.save(f, emb))
-    atomic_write_bytes(out / f"{name}.ids.npy", lambda f: np.save(f, np.asarray(ids, dtype=np.int64)))
-    atomic_write_bytes(out / f"{name}.paths.jsonl", lambda f: f.write("".join(r + "\n" for r in rows).encode()))
+    atomic_write(out / f"{name}.emb.npy", lambda f: np.save(f, emb))
+    atomic_write(out / f"{name}.ids.npy", lambda f: np.save(f, np.asarray(ids, dtype=np.int64)))
+    atomic_write(out / f"{name}.paths.jsonl", lambda f: f.write("".join(r + "\n" for r in rows).encode()))
     record = {"shard": s, "embeddings": f"{name}.emb.npy", "ids": f"{name}.ids.npy", "paths": f"{name}.paths.jsonl",
               "first_id": first_id, "files": len(items), "count": len(ids), "dim": int(emb.shape[1]) if len(ids) else 0,
               "skipped": skipped}
@@ -215,9 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, dist) -> int:
     t0 = time.perf_counter()
     items = list_corpus(args.data)
-    meta = read_bundle_config(args.bundle)
-    pre = meta["preprocessing"]
-    run = {"model_id": meta.get("model_id"), "feature": meta.get("feature", "cls_pre_norm"),
+    info = load_bundle_info(args.bundle)
+    pre = info.preprocessing.to_dict()
+    run = {"model_id": info.model_id, "feature": info.feature,
            "bundle": str(args.bundle.resolve()), "bundle_sha256": bundle_fingerprint(args.bundle),
            "backend": args.backend, "source": str(args.data.resolve()), "num_files": len(items),
            "files_sha256": hashlib.sha256("\n".join(p for p, _ in items).encode()).hexdigest(),

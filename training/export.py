@@ -2,10 +2,13 @@
 
 A bundle is what serving and the visualizer read, never a training checkpoint::
 
-    model.onnx (+ model.onnx.data)   pixel_values (B,3,H,W) f32, keep_idx (B,K) i64, keep_mask (B,K) bool
+    model.onnx (+ model.onnx.data)   pixel_values (B,3,H,W) f32, keep_idx (B,K) i64 (-1 = padding)
                                      -> embedding (B,D) f32; dynamic B and K
     encoder.safetensors              the same trunk for torch users (official key names)
     msn.json                         architecture, preprocessing, feature, ONNX I/O, source, parity
+
+The schema of ``msn.json`` and the graph's input contract are :mod:`msn_core.bundle`'s; this module only makes the
+torch artefacts.
 
 The bundle is built in a temporary sibling directory and renamed into place only after ONNX Runtime reproduced
 the torch features, so a crash or a failed check never leaves a half-written or silently wrong bundle behind.
@@ -35,7 +38,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from training.checkpoint import file_sha256, fsync_path
+from msn_core.bundle import (
+    FEATURES,
+    FORMAT_VERSION,
+    GRAPH_INPUTS,
+    ONNX_FILE,
+    OUTPUT_NAME,
+    WEIGHTS_FILE,
+    Architecture,
+    BundleInfo,
+    Preprocessing,
+    load_bundle_info,
+    write_bundle_info,
+)
+from msn_core.durable import fsync_path
+from training.checkpoint import file_sha256
 from training.convert import (
     complete_preprocessing,
     encoder_from_hf,
@@ -44,6 +61,7 @@ from training.convert import (
     load_trunk,
     resize_encoder,
 )
+from training.masking import split_padding
 from training.vit import VisionTransformer, encoder_kwargs
 
 __all__ = [
@@ -51,15 +69,10 @@ __all__ = [
     "ExportError",
     "encoder_from_training_checkpoint",
     "export_bundle",
-    "load_bundle",
+    "load_encoder",
     "main",
 ]
 
-FORMAT_VERSION = 1
-FEATURES = ("cls_pre_norm", "cls_post_norm")
-ONNX_FILE, WEIGHTS_FILE, META_FILE = "model.onnx", "encoder.safetensors", "msn.json"
-INPUT_NAMES = ("pixel_values", "keep_idx", "keep_mask")
-OUTPUT_NAME = "embedding"
 PARITY_ATOL = 1e-4
 
 
@@ -68,14 +81,19 @@ class ExportError(RuntimeError):
 
 
 class EmbeddingGraph(nn.Module):
-    """What the ONNX graph computes: the chosen CLS feature of the kept (and unpadded) patches."""
+    """What the ONNX graph computes: the chosen CLS feature of the kept patches; ``-1`` in ``keep_idx`` is padding.
+
+    Padding travels inside ``keep_idx`` rather than as a third ``keep_mask`` input so that a client with one mask
+    per batch (the common case) feeds two inputs and a mixed-K batch needs no extra tensor (msn_core.bundle).
+    """
 
     def __init__(self, encoder: VisionTransformer, feature: str) -> None:
         super().__init__()
         self.encoder, self.feature_index = encoder, FEATURES.index(feature)
 
-    def forward(self, pixel_values: Tensor, keep_idx: Tensor, keep_mask: Tensor) -> Tensor:
-        return self.encoder(pixel_values, keep_idx, keep_mask)[self.feature_index]
+    def forward(self, pixel_values: Tensor, keep_idx: Tensor) -> Tensor:
+        gather_idx, keep_mask = split_padding(keep_idx)
+        return self.encoder(pixel_values, gather_idx, keep_mask)[self.feature_index]
 
 
 # --- bundle writing ---------------------------------------------------------------------------------------
@@ -107,40 +125,37 @@ def export_bundle(
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
     encoder = copy.deepcopy(encoder).to("cpu", torch.float32).eval()
+    kwargs = {k: v for k, v in encoder_kwargs(encoder).items() if k != "drop_path_rate"}
+    architecture = Architecture(name=arch, **kwargs)  # validated before the expensive part
+    pre = Preprocessing.from_dict(complete_preprocessing(preprocessing, encoder.image_size))
     started = time.perf_counter()
     with _staging_dir(out_dir) as staging:
         weights = _save_weights(encoder, staging / WEIGHTS_FILE)
         graph = EmbeddingGraph(encoder, feature).eval()
         _export_onnx(graph, staging / ONNX_FILE, opset)
         parity = _parity_check(graph, staging / ONNX_FILE, parity_atol) if parity_check else None
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "model_id": f"msn-{arch.removeprefix('vit_')}{encoder.patch_size}-{weights['content_sha256'][:12]}",
-            "architecture": {
-                "name": arch,
-                **{k: v for k, v in encoder_kwargs(encoder).items() if k != "drop_path_rate"},
+        info = BundleInfo(
+            model_id=f"msn-{arch.removeprefix('vit_')}{encoder.patch_size}-{weights['content_sha256'][:12]}",
+            architecture=architecture, preprocessing=pre, feature=feature, format_version=FORMAT_VERSION,
+            onnx=_onnx_summary(staging, opset),
+            extra={
+                "weights": weights,
+                "source": {"kind": source_kind, "path": source_name, "sha256": source_sha256},
+                "training": training_summary,
+                "parity": parity,
+                "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "export_seconds": round(time.perf_counter() - started, 2),
             },
-            "preprocessing": complete_preprocessing(preprocessing, encoder.image_size),
-            "feature": feature,
-            "onnx": _onnx_summary(staging, opset),
-            "weights": weights,
-            "source": {"kind": source_kind, "path": source_name, "sha256": source_sha256},
-            "training": training_summary,
-            "parity": parity,
-            "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "export_seconds": round(time.perf_counter() - started, 2),
-        }
-        _write_json(staging / META_FILE, meta)
-    return meta
+        )
+        write_bundle_info(staging, info)
+    return info.to_dict()
 
 
 def _check_replaceable(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
-        raise ExportError(
-            f"{out_dir} exists and is not an MSN bundle (no {META_FILE}); refusing to replace it"
-        )
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "msn.json").is_file():
+        raise ExportError(f"{out_dir} exists and is not an MSN bundle (no msn.json); refusing to replace it")
 
 
 @contextlib.contextmanager
@@ -171,10 +186,6 @@ def _staging_dir(out_dir: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_json(path: Path, content: dict) -> None:
-    path.write_text(json.dumps(content, indent=2, default=str) + "\n")
-
-
 def weights_digest(state: dict[str, Tensor]) -> str:
     """SHA-256 of the tensors themselves (sorted names, dtypes, shapes, bytes).
 
@@ -196,14 +207,14 @@ def _save_weights(encoder: VisionTransformer, path: Path) -> dict:
     return {"file": WEIGHTS_FILE, "sha256": file_sha256(path), "content_sha256": weights_digest(state)}
 
 
-def _example_inputs(encoder: VisionTransformer, batch: int, keep: int, seed: int = 0) -> tuple[Tensor, ...]:
+def _example_inputs(encoder: VisionTransformer, batch: int, keep: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     generator = torch.Generator().manual_seed(seed)
     size = encoder.image_size
     images = torch.randn(batch, encoder.in_chans, size, size, generator=generator)
     keep_idx = torch.stack(
         [torch.randperm(encoder.num_patches, generator=generator)[:keep] for _ in range(batch)]
     )
-    return images, keep_idx, torch.ones(batch, keep, dtype=torch.bool)
+    return images, keep_idx
 
 
 def _export_onnx(graph: EmbeddingGraph, path: Path, opset: int) -> None:
@@ -212,11 +223,7 @@ def _export_onnx(graph: EmbeddingGraph, path: Path, opset: int) -> None:
     # Example sizes must avoid 0/1 (torch.export specialises them) and must not tie K to the patch count.
     example = _example_inputs(graph.encoder, batch=2, keep=max(2, num_patches // 2))
     batch, num_keep = torch.export.Dim("batch"), torch.export.Dim("num_keep")
-    dynamic_shapes = {
-        "pixel_values": {0: batch},
-        "keep_idx": {0: batch, 1: num_keep},
-        "keep_mask": {0: batch, 1: num_keep},
-    }
+    dynamic_shapes = {"pixel_values": {0: batch}, "keep_idx": {0: batch, 1: num_keep}}
     onnx_logger = logging.getLogger("torch.onnx")
     level = onnx_logger.level
     onnx_logger.setLevel(logging.ERROR)  # silences "torchvision is not installed" registry chatter
@@ -224,7 +231,7 @@ def _export_onnx(graph: EmbeddingGraph, path: Path, opset: int) -> None:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                graph, example, dynamo=True, input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
+                graph, example, dynamo=True, input_names=list(GRAPH_INPUTS), output_names=[OUTPUT_NAME],
                 dynamic_shapes=dynamic_shapes, opset_version=opset, verbose=False,
             )  # fmt: skip
             program.save(str(path))  # weights go to model.onnx.data automatically above 2 GB
@@ -263,7 +270,7 @@ def _run_onnx(path: Path, inputs: Sequence[Tensor]) -> np.ndarray:
     options = ort.SessionOptions()
     options.intra_op_num_threads = min(4, os.cpu_count() or 1)
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    feeds = {name: tensor.numpy() for name, tensor in zip(INPUT_NAMES, inputs)}
+    feeds = {name: tensor.numpy() for name, tensor in zip(GRAPH_INPUTS, inputs, strict=True)}
     return session.run([OUTPUT_NAME], feeds)[0]
 
 
@@ -272,7 +279,7 @@ def _parity_check(graph: EmbeddingGraph, path: Path, atol: float) -> dict:
     encoder = graph.encoder
     keep_30 = max(1, round(0.3 * encoder.num_patches))
     padded = _example_inputs(encoder, batch=3, keep=encoder.num_patches, seed=2)
-    padded[2][0, keep_30:] = False  # sample 0 keeps 30 %, the rest is padding
+    padded[1][0, keep_30:] = -1  # sample 0 keeps 30 %, the rest is padding
     cases = {
         "keep_all": _example_inputs(encoder, batch=2, keep=encoder.num_patches, seed=0),
         "keep_30pct": _example_inputs(encoder, batch=2, keep=keep_30, seed=1),
@@ -292,21 +299,13 @@ def _parity_check(graph: EmbeddingGraph, path: Path, atol: float) -> dict:
 # --- bundle reading ---------------------------------------------------------------------------------------
 
 
-def load_bundle(bundle_dir: str | Path) -> tuple[VisionTransformer, dict]:
+def load_encoder(bundle_dir: str | Path) -> tuple[VisionTransformer, BundleInfo]:
     """The torch encoder of a bundle (eval mode) and its ``msn.json``."""
-    bundle_dir = Path(bundle_dir)
-    meta_path = bundle_dir / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{bundle_dir} is not an MSN bundle: {META_FILE} not found")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{meta_path}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
-        )
-    kwargs = {k: v for k, v in meta["architecture"].items() if k != "name"}
-    encoder = VisionTransformer(**kwargs)
-    load_trunk(encoder, load_file(str(bundle_dir / WEIGHTS_FILE)), str(bundle_dir / WEIGHTS_FILE))
-    return encoder.eval(), meta
+    info = load_bundle_info(bundle_dir, need=(WEIGHTS_FILE,))
+    encoder = VisionTransformer(**info.architecture.encoder_kwargs())
+    weights = str(Path(bundle_dir) / WEIGHTS_FILE)
+    load_trunk(encoder, load_file(weights), weights)
+    return encoder.eval(), info
 
 
 # --- CLI --------------------------------------------------------------------------------------------------

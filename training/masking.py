@@ -1,9 +1,10 @@
-"""Patch masks as kept-patch indices, generated outside the model.
+"""The torch side of masking: pretraining's random masks on a torch generator, and -1 padding -> key-padding mask.
 
-A mask is the ``keep_idx`` the encoder and the exported ONNX graph take: int64 indices of the kept patches in
-row-major patch order, sorted ascending (the CLS token is always kept and is not counted). Dropped patches are
-removed rather than replaced by a mask token, as in the official MSN. Masks are made here, not inside the model,
-so that an exported graph does not freeze one ``randperm`` and so that training controls the RNG.
+A mask is ``keep_idx``, the sorted row-major indices of kept patches (the CLS token is always kept and not counted);
+dropped patches are removed, as in the official MSN. Mask *specifications* (ratio + seed, focal block, explicit
+indices, bitmap) and the kept-count rule live in :mod:`msn_core.masks`, shared with serving and the visualizer.
+Pretraining draws its masks here from a ``torch.Generator`` instead, so that ``--resume`` restores the mask stream
+with the rest of the RNG state. Masks are made outside the model, so an exported graph never freezes a ``randperm``.
 """
 
 from __future__ import annotations
@@ -12,25 +13,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from msn_core.masks import MaskError, num_kept
 
-def num_kept(num_patches: int, mask_ratio: float) -> int:
-    """Patches kept at ``mask_ratio``: ``floor(N * (1 - ratio))`` as in the official code, and at least one."""
-    if not 0.0 <= mask_ratio < 1.0:
-        raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
-    if num_patches < 1:
-        raise ValueError(f"num_patches must be positive, got {num_patches}")
-    return max(1, int(num_patches * (1.0 - mask_ratio)))
+__all__ = ["as_keep_tensor", "encoder_keep_args", "random_keep_idx", "split_padding"]
 
 
 def random_keep_idx(batch_size: int, num_patches: int, mask_ratio: float, *, shared: bool = True,
                     generator: torch.Generator | None = None, device: torch.device | str | None = None) -> Tensor:
-    """Random ``(B, K)`` kept-patch indices, sorted ascending.
+    """Random ``(B, K)`` kept-patch indices, sorted ascending, ``K = num_kept(num_patches, mask_ratio)``.
 
     ``shared=True`` draws one permutation for the whole batch, as the official MSN does (every image loses the same
     patches); ``shared=False`` draws an independent mask per sample. The indices are drawn on ``generator``'s
     device (CPU by default) and then moved to ``device``.
     """
-    keep = num_kept(num_patches, mask_ratio)
+    try:
+        keep = num_kept(num_patches, mask_ratio)
+    except MaskError as e:
+        raise ValueError(f"mask_ratio must be in [0, 1) and num_patches positive ({e})") from None
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0, got {batch_size}")
     draw_device = generator.device if generator is not None else torch.device("cpu")
@@ -44,33 +43,27 @@ def random_keep_idx(batch_size: int, num_patches: int, mask_ratio: float, *, sha
     return idx.to(device=device, dtype=torch.int64).contiguous()
 
 
-def focal_keep_idx(grid_h: int, grid_w: int, block_h: int, block_w: int, top: int | None = None,
-                   left: int | None = None) -> Tensor:
-    """``(block_h * block_w,)`` indices of a rectangular block of the patch grid, centred unless placed.
+def as_keep_tensor(keep_idx: Tensor | np.ndarray, batch_size: int) -> Tensor:
+    """``(K,)`` or ``(B, K)`` kept indices (numpy or torch, ``-1`` padding allowed) as an int64 ``(B, K)`` tensor."""
+    keep = torch.as_tensor(np.asarray(keep_idx) if not isinstance(keep_idx, Tensor) else keep_idx).to(torch.int64)
+    if keep.dim() == 1:
+        keep = keep.expand(batch_size, -1)
+    if keep.dim() != 2 or keep.shape[0] != batch_size:
+        raise ValueError(f"keep_idx must be (K,) or ({batch_size}, K), got {tuple(keep.shape)}")
+    return keep
 
-    This is the "focal mask" for evaluation and serving: encode only a region of the image at its real position.
+
+def split_padding(keep_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``keep_idx`` with ``-1`` padding -> (gather indices, padding slots at patch 0; ``keep_mask``, False = pad).
+
+    This is the bundle graph's first step (``msn_core.bundle``); the torch encoder takes the pair. Padded slots
+    gather a real patch that no token attends to, so a padded row's CLS equals the unpadded row's.
     """
-    if not (1 <= block_h <= grid_h and 1 <= block_w <= grid_w):
-        raise ValueError(f"block {block_h}x{block_w} does not fit in the {grid_h}x{grid_w} patch grid")
-    top = (grid_h - block_h) // 2 if top is None else top
-    left = (grid_w - block_w) // 2 if left is None else left
-    if not (0 <= top <= grid_h - block_h and 0 <= left <= grid_w - block_w):
-        raise ValueError(f"block {block_h}x{block_w} at ({top}, {left}) leaves the {grid_h}x{grid_w} patch grid")
-    rows = torch.arange(top, top + block_h)
-    cols = torch.arange(left, left + block_w)
-    return (rows[:, None] * grid_w + cols[None, :]).flatten()
+    keep_mask = keep_idx >= 0
+    return keep_idx.clamp(min=0), keep_mask
 
 
-def keep_idx_from_bitmap(bitmap: Tensor | np.ndarray) -> Tensor:
-    """``(K,)`` row-major indices of the True cells of a ``(grid_h, grid_w)`` keep bitmap."""
-    keep = torch.as_tensor(np.asarray(bitmap) if not isinstance(bitmap, Tensor) else bitmap)
-    if keep.dim() != 2:
-        raise ValueError(f"bitmap must be 2-D (grid_h, grid_w), got shape {tuple(keep.shape)}")
-    if keep.dtype != torch.bool:
-        if not ((keep == 0) | (keep == 1)).all():
-            raise ValueError("bitmap must be boolean or hold only 0 and 1")
-        keep = keep.bool()
-    idx = keep.flatten().nonzero().flatten()
-    if idx.numel() == 0:
-        raise ValueError("bitmap keeps no patch; at least one is needed")
-    return idx.to(torch.int64)
+def encoder_keep_args(keep_idx: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Eager :func:`split_padding` for the torch encoder: no key-padding mask when no slot is padded."""
+    gather_idx, keep_mask = split_padding(keep_idx)
+    return gather_idx, None if bool(keep_mask.all()) else keep_mask

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from msn_core.bundle import load_bundle_info
 from training.data import SyntheticDataset
 from training.evaluation.features import (
     OnnxEmbedder,
@@ -10,7 +11,6 @@ from training.evaluation.features import (
     extract_features,
     keep_indices,
     load_embedder,
-    read_bundle_config,
 )
 
 
@@ -21,7 +21,7 @@ def dataset():
 
 @pytest.mark.parametrize("mask_ratio", [0.0, 0.5])
 def test_onnx_and_torch_give_the_same_features(tiny_bundle, dataset, mask_ratio):
-    pre = read_bundle_config(tiny_bundle)["preprocessing"]
+    pre = load_bundle_info(tiny_bundle).preprocessing
     onnx = extract_features(dataset, OnnxEmbedder(tiny_bundle), preprocessing=pre, mask_ratio=mask_ratio,
                             batch_size=5, progress=False)
     torch_ = extract_features(dataset, TorchEmbedder.from_bundle(tiny_bundle), preprocessing=pre,
@@ -32,7 +32,7 @@ def test_onnx_and_torch_give_the_same_features(tiny_bundle, dataset, mask_ratio)
 
 
 def test_feature_choice(tiny_bundle, dataset):
-    pre = read_bundle_config(tiny_bundle)["preprocessing"]
+    pre = load_bundle_info(tiny_bundle).preprocessing
     post = extract_features(dataset, load_embedder(tiny_bundle, "torch", feature="cls_post_norm"),
                             preprocessing=pre, progress=False).features
     pre_norm = extract_features(dataset, load_embedder(tiny_bundle, "torch"), preprocessing=pre,
@@ -53,7 +53,7 @@ def test_masks_depend_only_on_seed_and_index():
 
 
 def test_masked_features_do_not_depend_on_batch_size(tiny_bundle, dataset):
-    embedder, pre = OnnxEmbedder(tiny_bundle), read_bundle_config(tiny_bundle)["preprocessing"]
+    embedder, pre = OnnxEmbedder(tiny_bundle), load_bundle_info(tiny_bundle).preprocessing
     runs = [extract_features(dataset, embedder, preprocessing=pre, mask_ratio=0.7, batch_size=b,
                              progress=False).features for b in (3, 12)]
     np.testing.assert_allclose(runs[0], runs[1], atol=1e-5)
@@ -73,7 +73,7 @@ class Counting:
 
 def test_cache_hit_and_miss(tiny_bundle, dataset, tmp_path):
     embedder = Counting(OnnxEmbedder(tiny_bundle))
-    pre = read_bundle_config(tiny_bundle)["preprocessing"]
+    pre = load_bundle_info(tiny_bundle).preprocessing.to_dict()
     tag = bundle_fingerprint(tiny_bundle)
 
     def run(**kwargs):
@@ -93,7 +93,7 @@ def test_cache_hit_and_miss(tiny_bundle, dataset, tmp_path):
         before = embedder.calls
         assert not run(**changed).from_cache and embedder.calls > before, changed
     assert len(list(tmp_path.glob("features-*.npz"))) == 6
-    assert not list(tmp_path.glob(".tmp-*"))  # atomic writes leave no temporary files
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporary files
 
 
 def test_identities_distinguish_data_and_weights(tiny_bundle, dataset, tmp_path):

@@ -39,15 +39,15 @@ def random_inputs(batch: int, keep: int, seed: int, image: int = IMAGE, num_patc
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, image, image, generator=generator)
     keep_idx = torch.stack([torch.randperm(num_patches, generator=generator)[:keep] for _ in range(batch)])
-    return images, keep_idx, torch.ones(batch, keep, dtype=torch.bool)
+    return images, keep_idx
 
 
-def run_onnx(bundle: Path, images, keep_idx, keep_mask) -> np.ndarray:
+def run_onnx(bundle: Path, images, keep_idx) -> np.ndarray:
+    """The graph as a client runs it: two inputs, -1 padding in keep_idx."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(bundle / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    feeds = {"pixel_values": images.numpy(), "keep_idx": keep_idx.numpy(), "keep_mask": keep_mask.numpy()}
-    return session.run(["embedding"], feeds)[0]
+    return session.run(["embedding"], {"pixel_values": images.numpy(), "keep_idx": keep_idx.numpy()})[0]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_bundle_holds_exactly_the_contract(exported):
     assert sorted(p.name for p in bundle.iterdir()) == ["encoder.safetensors", "model.onnx", "msn.json"]
     assert not [p for p in bundle.parent.iterdir() if p.name.startswith(".")]  # no staging leftovers
     meta = json.loads((bundle / "msn.json").read_text())
-    assert meta["format_version"] == 1
+    assert meta["format_version"] == 2
     assert meta["model_id"].startswith("msn-tiny4-") and len(meta["model_id"]) == len("msn-tiny4-") + 12
     assert meta["architecture"] == {"name": "vit_tiny", "image_size": IMAGE, "patch_size": PATCH, "in_chans": 3,
                                     "embed_dim": DIM, "depth": 2, "num_heads": 4, "mlp_ratio": 4.0}  # fmt: skip
@@ -81,7 +81,6 @@ def test_bundle_holds_exactly_the_contract(exported):
     assert meta["onnx"]["inputs"] == [
         {"name": "pixel_values", "dtype": "float32", "shape": ["batch", 3, IMAGE, IMAGE]},
         {"name": "keep_idx", "dtype": "int64", "shape": ["batch", "num_keep"]},
-        {"name": "keep_mask", "dtype": "bool", "shape": ["batch", "num_keep"]},
     ]
     assert meta["onnx"]["outputs"] == [{"name": "embedding", "dtype": "float32", "shape": ["batch", DIM]}]
     assert meta["source"] == {"kind": "training", "path": "checkpoint.pt",
@@ -110,32 +109,35 @@ def test_model_id_depends_on_the_weights_not_on_the_file_bytes(exported, tmp_pat
 @pytest.mark.parametrize(("batch", "keep"), [(1, NUM_PATCHES), (5, NUM_PATCHES), (5, 19), (1, 1)])
 def test_onnx_matches_torch_for_dynamic_batch_and_keep(exported, batch, keep):
     encoder, _, bundle = exported
-    images, keep_idx, keep_mask = random_inputs(batch, keep, seed=batch * 100 + keep)
+    images, keep_idx = random_inputs(batch, keep, seed=batch * 100 + keep)
     with torch.no_grad():
         expected = encoder(images, keep_idx)[0].numpy()
-    got = run_onnx(bundle, images, keep_idx, keep_mask)
+    got = run_onnx(bundle, images, keep_idx)
     assert got.shape == (batch, DIM)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
 
 
 def test_onnx_padded_mixed_keep_batch_equals_unpadded(exported):
     encoder, _, bundle = exported
-    images, keep_idx, keep_mask = random_inputs(3, NUM_PATCHES, seed=7)
+    images, keep_idx = random_inputs(3, NUM_PATCHES, seed=7)
     counts = [NUM_PATCHES, 19, 4]
+    padded = keep_idx.clone()
     for row, count in enumerate(counts):
-        keep_mask[row, count:] = False
-    got = run_onnx(bundle, images, keep_idx, keep_mask)
+        padded[row, count:] = -1
+    got = run_onnx(bundle, images, padded)
     for row, count in enumerate(counts):
         with torch.no_grad():
             solo = encoder(images[row : row + 1], keep_idx[row : row + 1, :count])[0].numpy()
         np.testing.assert_allclose(got[row : row + 1], solo, atol=1e-4, rtol=0)
-    assert np.abs(run_onnx(bundle, images, keep_idx, torch.ones_like(keep_mask))[2] - got[2]).max() > 1e-3
+        np.testing.assert_array_equal(got[row : row + 1], run_onnx(bundle, images[row : row + 1],
+                                                                   keep_idx[row : row + 1, :count]))
+    assert np.abs(run_onnx(bundle, images, keep_idx)[2] - got[2]).max() > 1e-3
 
 
-def test_load_bundle_gives_the_exported_torch_encoder(exported):
+def test_load_encoder_gives_the_exported_torch_encoder(exported):
     encoder, _, bundle = exported
-    loaded, meta = export.load_bundle(bundle)
-    assert meta["architecture"]["embed_dim"] == DIM and not loaded.training
+    loaded, info = export.load_encoder(bundle)
+    assert info.embed_dim == DIM and info.format_version == 2 and not loaded.training
     images = torch.randn(2, 3, IMAGE, IMAGE)
     with torch.no_grad():
         torch.testing.assert_close(loaded(images)[0], encoder(images)[0], atol=0, rtol=0)
@@ -174,15 +176,15 @@ def test_from_official_checkpoint_gives_identical_features(exported, tmp_path, m
     shutil.copytree(existing, out)  # an older bundle there gets replaced
     assert export.main(["--from-official", str(path), "--arch", "deit_tiny", "--out", str(out),
                         "--image-size", "32"]) == 0  # fmt: skip
-    loaded, meta = export.load_bundle(out)
-    assert meta["source"]["kind"] == "official" and meta["architecture"]["name"] == "vit_tiny"
-    assert meta["preprocessing"]["crop"] == 32 and meta["preprocessing"]["resize"] == round(32 * 256 / 224)
-    images, keep_idx, keep_mask = random_inputs(2, 4, seed=11, num_patches=4)
+    loaded, info = export.load_encoder(out)
+    assert info.extra["source"]["kind"] == "official" and info.architecture.name == "vit_tiny"
+    assert info.preprocessing.crop == 32 and info.preprocessing.resize == round(32 * 256 / 224)
+    images, keep_idx = random_inputs(2, 4, seed=11, num_patches=4)
     with torch.no_grad():
         expected = encoder(images)[0]
         torch.testing.assert_close(loaded(images)[0], expected, atol=0, rtol=0)
     np.testing.assert_allclose(
-        run_onnx(out, images, keep_idx, keep_mask), expected.numpy(), atol=1e-4, rtol=0
+        run_onnx(out, images, keep_idx), expected.numpy(), atol=1e-4, rtol=0
     )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -195,13 +197,13 @@ def test_from_hf_directory_gives_identical_features(tmp_path):
     save_file(ours_to_hf(encoder.state_dict()), str(hf_dir / "model.safetensors"))
     out = tmp_path / "hf"
     assert export.main(["--from-hf", str(hf_dir), "--out", str(out), "--feature", "cls_post_norm"]) == 0
-    loaded, meta = export.load_bundle(out)
-    assert meta["source"]["kind"] == "hf" and meta["feature"] == "cls_post_norm"
-    images, keep_idx, keep_mask = random_inputs(2, NUM_PATCHES, seed=12)
+    loaded, info = export.load_encoder(out)
+    assert info.extra["source"]["kind"] == "hf" and info.feature == "cls_post_norm"
+    images, keep_idx = random_inputs(2, NUM_PATCHES, seed=12)
     with torch.no_grad():
         torch.testing.assert_close(loaded(images)[0], encoder(images)[0], atol=0, rtol=0)
         expected = encoder(images, keep_idx)[1].numpy()  # post-norm feature
-    np.testing.assert_allclose(run_onnx(out, images, keep_idx, keep_mask), expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(run_onnx(out, images, keep_idx), expected, atol=1e-4, rtol=0)
 
 
 def cli_error(capsys, argv) -> str:

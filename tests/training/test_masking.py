@@ -1,4 +1,4 @@
-"""Kept-patch index generation."""
+"""The torch side of masking: pretraining's random masks and the -1 padding of the bundle contract."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from training.masking import focal_keep_idx, keep_idx_from_bitmap, num_kept, random_keep_idx
+from msn_core.masks import num_kept
+from training.masking import as_keep_tensor, encoder_keep_args, random_keep_idx, split_padding
 
 
 @pytest.mark.parametrize(("patches", "ratio", "kept"), [(196, 0.15, 166), (196, 0.0, 196), (100, 0.7, 30),
@@ -49,22 +50,13 @@ def test_zero_ratio_keeps_every_patch_in_order() -> None:
     assert torch.equal(random_keep_idx(2, 9, 0.0, shared=False), torch.arange(9).expand(2, 9))
 
 
-def test_focal_block_indices() -> None:
-    assert focal_keep_idx(4, 4, 2, 2).tolist() == [5, 6, 9, 10]  # centred
-    assert focal_keep_idx(3, 5, 2, 3, top=1, left=0).tolist() == [5, 6, 7, 10, 11, 12]
-    assert focal_keep_idx(3, 3, 3, 3).tolist() == list(range(9))
-    with pytest.raises(ValueError, match="does not fit"):
-        focal_keep_idx(3, 3, 4, 1)
-    with pytest.raises(ValueError, match="leaves"):
-        focal_keep_idx(4, 4, 2, 2, top=3)
-
-
-def test_bitmap_round_trips_with_focal_block() -> None:
-    bitmap = np.zeros((4, 5), dtype=bool)
-    bitmap[1:3, 1:4] = True
-    assert torch.equal(keep_idx_from_bitmap(bitmap), focal_keep_idx(4, 5, 2, 3, top=1, left=1))
-    assert keep_idx_from_bitmap(torch.tensor([[0, 1], [1, 0]])).tolist() == [1, 2]
-    with pytest.raises(ValueError, match="no patch"):
-        keep_idx_from_bitmap(np.zeros((2, 2), dtype=bool))
-    with pytest.raises(ValueError, match="2-D"):
-        keep_idx_from_bitmap(np.ones(4, dtype=bool))
+def test_padding_splits_into_gather_indices_and_key_mask() -> None:
+    keep = torch.tensor([[3, 5, 7], [2, -1, -1]])
+    gather_idx, keep_mask = split_padding(keep)
+    assert gather_idx.tolist() == [[3, 5, 7], [2, 0, 0]]
+    assert keep_mask.tolist() == [[True, True, True], [True, False, False]]
+    assert encoder_keep_args(keep[:1])[1] is None  # nothing padded: the encoder's unmasked attention
+    assert torch.equal(encoder_keep_args(keep)[1], keep_mask)
+    assert as_keep_tensor(np.array([1, 4]), 3).tolist() == [[1, 4]] * 3
+    with pytest.raises(ValueError, match=r"\(2, K\)"):
+        as_keep_tensor(torch.zeros(3, 2, dtype=torch.int64), 2)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from msn_core.bundle import FEATURES, BundleError, load_bundle_info
 from training.evaluation import splits as split_files
 from training.evaluation.features import (
     BACKENDS,
@@ -29,7 +30,6 @@ from training.evaluation.features import (
     bundle_fingerprint,
     extract_features,
     load_embedder,
-    read_bundle_config,
 )
 from training.evaluation.knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_accuracy
 from training.evaluation.linear_probe import train_linear_probe
@@ -83,8 +83,10 @@ class Context:
 
 
 def make_context(args: argparse.Namespace) -> Context:
-    config = read_bundle_config(args.bundle)
-    preprocessing = dict(config["preprocessing"])
+    try:
+        preprocessing = load_bundle_info(args.bundle).preprocessing.to_dict()
+    except BundleError as e:
+        raise SystemExit(f"msn-eval: {e}") from None
     if args.backend != "pixels" and args.device == "cpu" and args.threads:
         import torch
 
@@ -237,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--data-root", help="directory of the Fashion-MNIST idx files")
     common.add_argument("--backend", choices=BACKENDS, default="onnx",
                         help="onnx (model.onnx), torch (encoder.safetensors) or pixels (raw-pixel baseline)")
-    common.add_argument("--feature", choices=("cls_pre_norm", "cls_post_norm"),
+    common.add_argument("--feature", choices=FEATURES,
                         help="default: the bundle's feature (the paper's cls_pre_norm)")
     common.add_argument("--device", default="cpu")
     common.add_argument("--batch-size", type=int, default=128)
@@ -245,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     common.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     common.add_argument("--no-cache", action="store_true")
-    common.add_argument("--mask-seed", type=int, default=0)
+    common.add_argument("--mask-seed", type=int, default=0,
+                        help='image i is masked as /embed\'s {"ratio": R, "seed": [MASK_SEED, i]}')
     common.add_argument("--max-train", type=int, default=0, help="kNN/linear: first N training images (0: all)")
     common.add_argument("--max-test", type=int, default=0, help="use the first N test images (0: all)")
     common.add_argument("--synthetic-size", type=int, default=512, help="training images of --data synthetic")

@@ -1,10 +1,11 @@
 """Batched feature extraction from an exported bundle, with ONNX Runtime or the torch encoder, cached on disk.
 
 Every image goes through the bundle's evaluation preprocessing (resize shorter side, centre crop, normalise). An
-optional masking ratio drops patches before the trunk; each sample's mask is drawn from ``(mask_seed, dataset
-index)`` alone, so features do not depend on batch size, order or backend. Results are cached as ``.npz`` files
-keyed by the bundle's content hash, the dataset's identity, the selected indices, the preprocessing, the feature,
-the backend and the mask settings, and written atomically (temporary file + rename), so a sweep embeds once.
+optional masking ratio drops patches before the trunk: dataset image ``i`` gets the mask spec
+``{"ratio": mask_ratio, "seed": [mask_seed, i]}`` of :mod:`msn_core.masks` (the patches ``/embed`` keeps for that
+spec), so features do not depend on batch size, order or backend. Results are cached as ``.npz`` files keyed by
+the bundle's content hash, the dataset's identity, the selected indices, the preprocessing, the feature, the
+backend and the mask settings, and written atomically (msn_core.durable), so a sweep embeds once.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -23,8 +23,11 @@ import torch
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
+from msn_core.bundle import FEATURES, Preprocessing, check_graph_inputs, load_bundle_info, onnx_feeds
+from msn_core.durable import atomic_write
+from msn_core.masks import random_keep
 from training.data import collate_views
-from training.masking import num_kept
+from training.masking import encoder_keep_args
 from training.views import eval_transform
 
 __all__ = [
@@ -39,27 +42,20 @@ __all__ = [
     "extract_features",
     "keep_indices",
     "load_embedder",
-    "read_bundle_config",
 ]
 
 BACKENDS = ("onnx", "torch", "pixels")
-FEATURES = ("cls_pre_norm", "cls_post_norm")
 CACHE_VERSION = 1
 
 
 class Embedder(Protocol):
-    """Maps normalised images ``(B,3,H,W)`` and kept-patch indices ``(B,K)`` to features ``(B,D)``."""
+    """Maps normalised images ``(B,3,H,W)`` and kept-patch indices ``(B,K)`` (``-1`` = padding) to features ``(B,D)``."""
 
     backend: str
     feature: str
     patch_size: int
 
     def __call__(self, pixel_values: np.ndarray, keep_idx: np.ndarray) -> np.ndarray: ...
-
-
-def read_bundle_config(bundle_dir: str | os.PathLike) -> dict:
-    """The bundle's ``msn.json``."""
-    return json.loads((Path(bundle_dir) / "msn.json").read_text())
 
 
 class OnnxEmbedder:
@@ -71,24 +67,21 @@ class OnnxEmbedder:
                  providers: Sequence[str] | None = None, intra_op_threads: int = 0) -> None:
         import onnxruntime as ort
 
-        config = read_bundle_config(bundle_dir)
-        self.feature = config.get("feature", "cls_pre_norm")
+        info = load_bundle_info(bundle_dir, need=("model.onnx",))
+        self.feature = info.feature
         if feature is not None and feature != self.feature:
             raise ValueError(f"the bundle's ONNX model outputs {self.feature!r}, not {feature!r}; "
                              "use the torch backend for another feature")
-        self.patch_size = int(config["architecture"]["patch_size"])
+        self.patch_size = info.patch_size
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads  # 0 = ORT's default; set it when ranks share cores
         self.session = ort.InferenceSession(str(Path(bundle_dir) / "model.onnx"), sess_options=options,
                                             providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = {i.name for i in self.session.get_inputs()}
+        check_graph_inputs(self.input_names)
 
     def __call__(self, pixel_values: np.ndarray, keep_idx: np.ndarray) -> np.ndarray:
-        inputs = {"pixel_values": pixel_values.astype(np.float32, copy=False),
-                  "keep_idx": keep_idx.astype(np.int64, copy=False)}
-        if "keep_mask" in self.input_names:
-            inputs["keep_mask"] = np.ones(keep_idx.shape, dtype=bool)
-        return self.session.run(["embedding"], inputs)[0]
+        return self.session.run(["embedding"], onnx_feeds(self.input_names, pixel_values, keep_idx))[0]
 
 
 class TorchEmbedder:
@@ -106,15 +99,16 @@ class TorchEmbedder:
     @classmethod
     def from_bundle(cls, bundle_dir: str | os.PathLike, *, feature: str | None = None,
                     device: str = "cpu") -> TorchEmbedder:
-        from training.export import load_bundle
+        from training.export import load_encoder
 
-        encoder, config = load_bundle(bundle_dir)
-        return cls(encoder, feature=feature or config.get("feature", "cls_pre_norm"), device=device)
+        encoder, info = load_encoder(bundle_dir)
+        return cls(encoder, feature=feature or info.feature, device=device)
 
     @torch.inference_mode()
     def __call__(self, pixel_values: np.ndarray, keep_idx: np.ndarray) -> np.ndarray:
         images = torch.from_numpy(pixel_values).to(self.device)
-        cls_pre_norm, cls_post_norm = self.encoder(images, keep_idx=torch.from_numpy(keep_idx).to(self.device))
+        gather_idx, keep_mask = encoder_keep_args(torch.from_numpy(keep_idx).to(self.device))
+        cls_pre_norm, cls_post_norm = self.encoder(images, gather_idx, keep_mask)
         out = cls_pre_norm if self.feature == "cls_pre_norm" else cls_post_norm
         return out.float().cpu().numpy()
 
@@ -141,7 +135,7 @@ def load_embedder(bundle_dir: str | os.PathLike, backend: str = "onnx", *, featu
     if backend == "torch":
         return TorchEmbedder.from_bundle(bundle_dir, feature=feature, device=device)
     if backend == "pixels":
-        return PixelEmbedder(int(read_bundle_config(bundle_dir)["architecture"]["patch_size"]))
+        return PixelEmbedder(load_bundle_info(bundle_dir).patch_size)
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
@@ -182,12 +176,10 @@ def dataset_identity(dataset) -> str:
 
 
 def keep_indices(indices: np.ndarray, num_patches: int, mask_ratio: float, seed: int) -> np.ndarray:
-    """Sorted kept-patch indices ``(B, K)`` per dataset index; all patches when ``mask_ratio == 0``."""
-    keep = num_kept(num_patches, mask_ratio)
-    if keep == num_patches:
+    """Kept-patch indices ``(B, K)``: dataset image ``i`` gets ``{"ratio": mask_ratio, "seed": [seed, i]}``."""
+    if mask_ratio == 0:
         return np.broadcast_to(np.arange(num_patches, dtype=np.int64), (len(indices), num_patches)).copy()
-    return np.stack([np.sort(np.random.default_rng([seed, int(i)]).permutation(num_patches)[:keep])
-                     for i in indices]).astype(np.int64)
+    return np.stack([random_keep(num_patches, mask_ratio, [seed, int(i)]) for i in indices])
 
 
 @dataclass
@@ -203,20 +195,13 @@ def _cache_path(cache_dir: Path, key: dict) -> Path:
     return cache_dir / f"features-{digest}.npz"
 
 
-def _save_atomic(path: Path, key: dict, result: Features) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, features=result.features, labels=result.labels, indices=result.indices,
-                     key=np.array(json.dumps(key, sort_keys=True)))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _save(path: Path, key: dict, result: Features) -> None:
+    atomic_write(path, lambda f: np.savez(f, features=result.features, labels=result.labels,
+                                          indices=result.indices, key=np.array(json.dumps(key, sort_keys=True))))
 
 
-def extract_features(dataset, embedder: Embedder, *, preprocessing: dict, indices: Sequence[int] | None = None,
+def extract_features(dataset, embedder: Embedder, *, preprocessing: Preprocessing | Mapping,
+                     indices: Sequence[int] | None = None,
                      batch_size: int = 64, mask_ratio: float = 0.0, mask_seed: int = 0,
                      cache_dir: str | os.PathLike | None = None, cache_tag: str | None = None,
                      num_workers: int = 0, progress: bool = True, desc: str = "embedding") -> Features:
@@ -229,6 +214,8 @@ def extract_features(dataset, embedder: Embedder, *, preprocessing: dict, indice
     idx = np.arange(len(dataset), dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64)
     if len(idx) == 0:
         raise ValueError("no samples to embed")
+    if isinstance(preprocessing, Preprocessing):
+        preprocessing = preprocessing.to_dict()
     transform = {k: preprocessing[k] for k in ("resize", "crop", "mean", "std")}
     if mask_ratio and embedder.backend == "pixels":
         raise ValueError("masking is not defined for the raw-pixel baseline")
@@ -256,5 +243,5 @@ def extract_features(dataset, embedder: Embedder, *, preprocessing: dict, indice
         start += len(images)
     result = Features(np.concatenate(chunks), np.concatenate(labels).astype(np.int64), idx)
     if path is not None:
-        _save_atomic(path, key, result)
+        _save(path, key, result)
     return result
