@@ -91,20 +91,20 @@ def test_images(n: int, seed: int = 0) -> list[bytes]:
 def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
     import torch
 
-    from msn_serve.bundle import Engine, load_bundle
-    from training.export import load_bundle as load_torch
-    info = load_bundle(bundle)
+    from msn_core.bundle import FEATURES, load_bundle_info
+    from msn_serve.engine import Engine
+    from training.export import load_encoder
+    info = load_bundle_info(bundle)
     eng = Engine(info, intra_op_threads=threads)
-    enc, _ = load_torch(bundle)
+    enc, _ = load_encoder(bundle)
     enc.eval()
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
     px = rng.standard_normal((batch, info.in_chans, info.image_size, info.image_size)).astype(np.float32)
     keep = np.tile(np.arange(info.num_patches, dtype=np.int64), (batch, 1))
-    mask = np.ones_like(keep, dtype=bool)
-    tpx, tkeep, tmask = torch.from_numpy(px), torch.from_numpy(keep), torch.from_numpy(mask)
+    tpx, tkeep, tmask = torch.from_numpy(px), torch.from_numpy(keep), torch.ones(keep.shape, dtype=torch.bool)
 
-    def run_torch():
+    def run_torch():  # with the key-padding mask, as the exported graph runs
         with torch.inference_mode():
             return enc(tpx, tkeep, tmask)
 
@@ -118,11 +118,10 @@ def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
             ts.append(time.perf_counter() - t0)
         return ts
 
-    t_ort = timeit(lambda: eng.run(px, keep, mask))
+    t_ort = timeit(lambda: eng.run(px, keep))
     t_torch = timeit(run_torch)
-    from training.export import FEATURES
     out_t = run_torch()[FEATURES.index(info.feature)].numpy()  # the same feature the ONNX graph returns
-    diff = float(np.abs(eng.run(px, keep, mask) - out_t).max())
+    diff = float(np.abs(eng.run(px, keep) - out_t).max())
     return {"batch": batch, "threads": threads, "tokens": info.num_patches, "ort_ms_p50": 1e3 * pct(t_ort, 50),
             "torch_eager_ms_p50": 1e3 * pct(t_torch, 50), "speedup_ort_over_torch": pct(t_torch, 50) / pct(t_ort, 50),
             "max_abs_diff": diff}
@@ -205,9 +204,10 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
     """In-process decode + preprocess + batched ORT: what the server could reach with zero HTTP overhead."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from msn_serve.bundle import Engine, load_bundle
+    from msn_core.bundle import load_bundle_info
+    from msn_serve.engine import Engine
     from msn_serve.preprocess import preprocess_bytes
-    info = load_bundle(bundle)
+    info = load_bundle_info(bundle)
     eng = Engine(info, intra_op_threads=threads)
     keep_all = np.arange(info.num_patches, dtype=np.int64)
     pool = ThreadPoolExecutor(2)
@@ -215,9 +215,9 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
     done = 0
     while done < total:
         n = min(batch, total - done)
-        px = np.stack(list(pool.map(lambda d: preprocess_bytes(d, info.pre, max_pixels=10**8),
+        px = np.stack(list(pool.map(lambda d: preprocess_bytes(d, info.preprocessing, max_pixels=10**8),
                                     [images[(done + i) % len(images)] for i in range(n)])))
-        eng.run(px, np.tile(keep_all, (n, 1)), np.ones((n, info.num_patches), bool))
+        eng.run(px, np.tile(keep_all, (n, 1)))
         done += n
     pool.shutdown()
     return {"batch": batch, "images": total, "images_per_s": total / (time.perf_counter() - t0)}
@@ -225,7 +225,8 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
 
 # ---- (4) FAISS ------------------------------------------------------------------------------------------------------------
 def faiss_bench(n: int, dim: int, queries: int, k: int = 10) -> dict:
-    from msn_serve.indexes import IndexStore, recommended_nlist
+    from msn_serve.index_config import recommended_nlist
+    from msn_serve.indexes import IndexStore
     rng = np.random.default_rng(0)
     # clustered data: recall on pure Gaussian noise says little about real embeddings
     centres = rng.standard_normal((max(16, n // 1000), dim)).astype(np.float32)
@@ -301,8 +302,8 @@ def main() -> int:
         print("offline:", json.dumps(result["offline_batched"]), f"http/offline={result['http_best_vs_offline']:.2f}")
         result["faiss"] = []
         mem = result["machine"]["memory_bytes"] or 0
-        from msn_serve.bundle import load_bundle
-        dim = load_bundle(bundle).embed_dim if a.quick else max(384, load_bundle(bundle).embed_dim)
+        from msn_core.bundle import load_bundle_info
+        dim = load_bundle_info(bundle).embed_dim if a.quick else max(384, load_bundle_info(bundle).embed_dim)
         for n in faiss_sizes:
             if n * dim * 4 * 4 > mem * 0.5:
                 print(f"faiss n={n}: skipped (needs ~{n * dim * 16 / 2**30:.1f} GiB)")

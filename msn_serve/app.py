@@ -105,7 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(title="msn-serve", version=oip._version(), lifespan=lifespan,
+    app = FastAPI(title="msn-serve", version=oip.package_version(), lifespan=lifespan,
                   description="Masked Siamese Network embeddings, few-shot classifiers and FAISS search "
                               "over an exported bundle. All errors are JSON: {\"error\": ..., \"detail\"?: ...}.")
     app.state.service = service
@@ -152,7 +152,7 @@ def create_app(settings: Settings) -> FastAPI:
         i = service.info
         return {"model_id": i.model_id, "dim": i.embed_dim, "patch_size": i.patch_size, "image_size": i.image_size,
                 "grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
-                "preprocessing": i.raw.get("preprocessing"), "device": service.engine.device,
+                "preprocessing": i.preprocessing.to_dict(), "device": service.engine.device,
                 "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms,
                 "role": "reader" if service.read_only else "writer", "snapshot_version": service.snapshot_version}
 

@@ -4,11 +4,10 @@ Requests enqueue *preprocessed* images (decoding errors never reach this point, 
 own request). A single worker coroutine closes a batch at ``max_batch_size`` images or ``max_wait_ms`` after the
 oldest waiting image, then runs it in a one-thread executor so the event loop keeps accepting requests.
 
-Mixed kept-patch counts: when the graph has a ``keep_mask`` input, images with different K share a batch, padded to
-the largest K with ``keep_mask=False`` (the padded keys get a -1e4 attention bias, which underflows to an exact 0
-weight, so results are bit-identical to unpadded runs; a test checks this). Items are sorted by K and a new group
-starts when K drops below half the group's maximum, which bounds padding waste to < 2x. Without ``keep_mask`` the
-batch is split into exact-K buckets instead.
+Mixed kept-patch counts: images with different K share a batch, their ``keep_idx`` rows padded to the largest K
+with ``-1`` (the bundle contract, :mod:`msn_core.bundle`; the padded keys get a -1e4 attention bias, which
+underflows to an exact 0 weight, so results are bit-identical to unpadded runs; a test checks this). Items are
+sorted by K and a new group starts when K drops below half the group's maximum, which bounds padding waste to < 2x.
 """
 from __future__ import annotations
 
@@ -22,7 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bundle import Engine
+from msn_core.masks import PAD, pad_keep
+
+from .engine import Engine
 from .errors import ApiError
 from .metrics import Metrics
 
@@ -101,6 +102,11 @@ class Batcher:
         self._executor.shutdown(wait=True)
 
     @property
+    def queue_depth(self) -> int:
+        """Images waiting for a batch."""
+        return len(self._queue)
+
+    @property
     def healthy(self) -> bool:
         return self._task is not None and not self._task.done() and self.consecutive_failures == 0
 
@@ -111,8 +117,7 @@ class Batcher:
         for b in self.b_buckets:
             for k in self.k_buckets:
                 pixels = np.zeros((b, c, s, s), dtype=np.float32)
-                keep = np.tile(np.arange(k, dtype=np.int64), (b, 1))
-                self.engine.run(pixels, keep, np.ones((b, k), dtype=bool))
+                self.engine.run(pixels, np.tile(np.arange(k, dtype=np.int64), (b, 1)))
                 n += 1
         return n
 
@@ -182,13 +187,6 @@ class Batcher:
                 self.metrics.errors.labels("batcher").inc()
 
     def _group(self, batch: list[_Item]) -> list[list[_Item]]:
-        if not batch:
-            return []
-        if not self.engine.has_keep_mask:
-            by_k: dict[int, list[_Item]] = {}
-            for it in batch:
-                by_k.setdefault(len(it.keep), []).append(it)
-            return list(by_k.values())
         groups: list[list[_Item]] = []
         for it in sorted(batch, key=lambda i: -len(i.keep)):
             if groups and 2 * len(it.keep) >= len(groups[-1][0].keep):
@@ -197,21 +195,18 @@ class Batcher:
                 groups.append([it])
         return groups
 
-    def _pack(self, group: list[_Item]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pack(self, group: list[_Item]) -> tuple[np.ndarray, np.ndarray]:
         b = len(group)
         k = max(len(it.keep) for it in group)
         if self.pad_shapes:
             k = next((kb for kb in self.k_buckets if kb >= k), k)
             b = next((bb for bb in self.b_buckets if bb >= b), b)
         pixels = np.zeros((b, *group[0].pixels.shape), dtype=np.float32)
-        keep = np.zeros((b, k), dtype=np.int64)
-        mask = np.zeros((b, k), dtype=bool)
-        mask[len(group):, 0] = True  # shape-padding rows attend to one real token: no all-masked softmax
         for i, it in enumerate(group):
             pixels[i] = it.pixels
-            keep[i, : len(it.keep)] = it.keep
-            mask[i, : len(it.keep)] = True
-        return pixels, keep, mask
+        # Shape-padding rows keep patch 0 alone: a row with every key masked would give an all-masked softmax.
+        one_patch = np.zeros(1, dtype=np.int64)
+        return pixels, pad_keep([it.keep for it in group] + [one_patch] * (b - len(group)), width=k)
 
     async def _run_group(self, group: list[_Item]) -> None:
         loop = asyncio.get_running_loop()
@@ -219,12 +214,12 @@ class Batcher:
         for it in group:
             self.metrics.queue_wait.observe(now - it.enqueued)
             self.metrics.kept_tokens.observe(len(it.keep))
-        pixels, keep, mask = self._pack(group)
+        pixels, keep = self._pack(group)
         self.metrics.batch_size.observe(len(group))
-        self.metrics.padded_tokens.inc(int((~mask[: len(group)]).sum()))
+        self.metrics.padded_tokens.inc(int((keep[: len(group)] == PAD).sum()))
         t0 = time.perf_counter()
         try:
-            out = await loop.run_in_executor(self._executor, self.engine.run, pixels, keep, mask)
+            out = await loop.run_in_executor(self._executor, self.engine.run, pixels, keep)
         except Exception as e:  # noqa: BLE001
             self.metrics.errors.labels("inference").inc()
             log.warning("batch of %d failed (%s); retrying items one by one", len(group), e)

@@ -62,11 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
-    from .bundle import BundleError
 
     try:
         app = create_app(settings)
-    except (BundleError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # msn_core.bundle.BundleError is a ValueError
         print(f"msn-serve: cannot start: {e}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),

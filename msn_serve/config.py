@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from msn_core.lowshot import DEFAULT_LAMBD
+
 
 class Settings(BaseSettings):
     """All serving options. CLI flags override environment variables, which override defaults."""
@@ -34,7 +36,8 @@ class Settings(BaseSettings):
     max_images_per_request: int = Field(256, ge=1)
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = physical cores")
     fit_threads: int = Field(1, ge=1, description="threads for cyanure fits")
-    default_lambd: float = Field(0.0025, gt=0.0, description="few-shot L2 strength before division by n")
+    default_lambd: float = Field(DEFAULT_LAMBD, gt=0.0, description="few-shot L2 strength before division by n "
+                                                                     "(default: the low-shot protocol's)")
     wal_compact_mb: float = Field(64.0, gt=0.0, description="snapshot an index once its WAL exceeds this")
     log_level: str = "info"
     # Replica consistency (docs/deploy.md): one writer publishes snapshots, read-only replicas load them.

@@ -1,11 +1,9 @@
-"""Few-shot classifiers: the MSN low-shot evaluation protocol, served.
+"""Few-shot classifiers over HTTP: the MSN low-shot classifier of :mod:`msn_core.lowshot`, fitted and stored.
 
-Protocol (facebookresearch/msn ``logistic_eval.py``, ported to cyanure >= 1.0): each embedding row is centred and
-L2-normalised (done here in numpy: cyanure's ``preprocess`` silently does nothing on Fortran-ordered arrays), then
-a multinomial logistic regression without intercept is fit with L2 strength ``lambd / n``. Two classes use
-cyanure's binary ``logistic`` loss (its multiclass loss falls back to *square* loss for two classes); the weight
-vector is stored as the equivalent two-column softmax ``[-w/2, w/2]``, so prediction is always
-``softmax(x @ W)``. Stored as one ``.npz`` (float arrays + JSON as bytes, loaded with ``allow_pickle=False``).
+The fit (row centring + L2, cyanure multinomial logistic regression with ``lambd / n``, the two-class case, the
+default lambda) is the one ``msn-eval`` reports accuracy with; this module adds the service's checks, string labels,
+top-k predictions and durable storage: one ``.npz`` per classifier (float weights + JSON as bytes, loaded with
+``allow_pickle=False``), written atomically before a fit is acknowledged.
 """
 from __future__ import annotations
 
@@ -20,35 +18,25 @@ from typing import Any
 
 import numpy as np
 
+from msn_core.durable import atomic_write
+from msn_core.lowshot import LinearClassifier, center_and_normalize, fit_logistic
+
 from .errors import check_name, conflict, not_found, read_only_replica, unprocessable
-from .storage import atomic_write, quarantine, remove_durably
+from .storage import quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.fewshot")
 MAX_CLASSES = 10_000
 
 
-def row_normalise(x: np.ndarray) -> np.ndarray:
-    """Centre each row, then scale it to unit L2 norm (``cyan.preprocess(centering=True, normalize=True,
-    columns=False)``); C-ordered float32 output."""
-    x = np.array(x, dtype=np.float64, order="C", copy=True)
-    x -= x.mean(axis=1, keepdims=True)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    x /= np.maximum(norms, 1e-12)
-    return np.ascontiguousarray(x, dtype=np.float32)
-
-
 @dataclass
 class FewShotClassifier:
     name: str
-    weights: np.ndarray  # (D, C)
+    weights: np.ndarray  # (D, C): column j scores classes[j]
     classes: list[str]
     info: dict[str, Any] = field(default_factory=dict)
 
     def predict(self, x: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
-        logits = row_normalise(x).astype(np.float64) @ self.weights.astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        p = np.exp(logits)
-        p /= p.sum(axis=1, keepdims=True)
+        p = LinearClassifier(self.weights, np.asarray(self.classes)).probabilities(x)
         k = min(k, len(self.classes))
         top = np.argsort(-p, axis=1, kind="stable")[:, :k]
         return [[{"label": self.classes[j], "probability": float(p[i, j])} for j in row] for i, row in enumerate(top)]
@@ -73,45 +61,22 @@ class FewShotClassifier:
 def fit(name: str, x: np.ndarray, labels: list[str], *, lambd: float, threads: int = 1,
         max_iter: int = 300, tol: float = 1e-3) -> FewShotClassifier:
     """Fit on embeddings ``x`` (n, D) with string ``labels``; raises 422 on unusable data."""
-    from cyanure.estimators import Classifier  # imported lazily: ~1 s and noisy, only needed when fitting
-
-    if x.ndim != 2 or x.shape[0] != len(labels):
-        raise unprocessable(f"{len(labels)} labels for {x.shape[0]} examples")
-    if not np.isfinite(x).all():
-        raise unprocessable("embeddings contain NaN or infinity")
-    classes = sorted(set(labels))
-    if len(classes) < 2:
-        raise unprocessable(f"need at least 2 distinct labels to fit a classifier, got {classes}")
-    if len(classes) > MAX_CLASSES:
+    if len(set(labels)) > MAX_CLASSES:
         raise unprocessable(f"at most {MAX_CLASSES} classes")
-    if not np.isfinite(lambd) or lambd <= 0:
-        raise unprocessable(f"lambd must be a positive number, got {lambd}")
-    xn = row_normalise(x)
-    if (np.abs(xn).sum(axis=1) == 0).any():
-        raise unprocessable("an embedding is constant across dimensions (nothing left after centring)")
-    y = np.array([classes.index(lbl) for lbl in labels], dtype=np.int64)
-    n = xn.shape[0]
     t0 = time.perf_counter()
-    common = {"penalty": "l2", "lambda_1": lambd / n, "fit_intercept": False, "tol": tol, "max_iter": max_iter,
-              "n_threads": threads, "random_state": 0, "verbose": False}
-    if len(classes) == 2:
-        clf = Classifier(loss="logistic", **common)
-        clf.fit(xn, np.where(y == 1, 1, -1))
-        w = np.asarray(clf.coef_, dtype=np.float64).reshape(-1)
-        weights = np.stack([-w / 2, w / 2], axis=1)
-    else:
-        clf = Classifier(loss="multiclass-logistic", **common)
-        clf.fit(xn, y)
-        coef = np.asarray(clf.coef_, dtype=np.float64)
-        order = [list(clf.classes_).index(c) for c in range(len(classes))]
-        weights = coef[:, order]
-    if not np.isfinite(weights).all():
-        raise unprocessable("the fit diverged (non-finite weights); try a larger lambd")
-    info = {"n": int(n), "dim": int(xn.shape[1]), "lambd": float(lambd), "lambda_1": float(lambd / n),
-            "counts": {c: int((y == i).sum()) for i, c in enumerate(classes)},
-            "fit_seconds": round(time.perf_counter() - t0, 4), "created": time.time(),
-            "protocol": "row centre + L2 normalise; cyanure multinomial logistic, no intercept"}
-    return FewShotClassifier(name=name, weights=weights.astype(np.float32), classes=classes, info=info)
+    try:
+        model = fit_logistic(x, np.asarray(labels, dtype=str), lambd=lambd, max_iter=max_iter, tol=tol,
+                             n_threads=threads)
+    except ValueError as e:
+        raise unprocessable(str(e)) from None
+    if not np.abs(center_and_normalize(x)).sum(axis=1).all():  # a client error msn-eval has no reason to refuse
+        raise unprocessable("an embedding is constant across dimensions (nothing left after centring)")
+    classes = [str(c) for c in model.classes]
+    n = len(labels)
+    info = {"n": n, "dim": int(x.shape[1]), "lambd": float(lambd), "lambda_1": float(lambd / n),
+            "counts": {c: labels.count(c) for c in classes}, "fit_seconds": round(time.perf_counter() - t0, 4),
+            "created": time.time(), "protocol": "row centre + L2 normalise; cyanure multinomial logistic, no intercept"}
+    return FewShotClassifier(name=name, weights=model.coef.astype(np.float32), classes=classes, info=info)
 
 
 class ClassifierStore:
@@ -148,11 +113,15 @@ class ClassifierStore:
         if self.read_only:
             raise read_only_replica()
         with self._lock:
-            if clf.name in self.items and not overwrite:
-                raise conflict(f"classifier {clf.name!r} exists; pass overwrite=true to replace it")
+            self.check_free(clf.name, overwrite=overwrite)
             clf.info["model_id"] = self.model_id
             atomic_write(self.root / f"{clf.name}.npz", clf.to_bytes())
             self.items[clf.name] = clf
+
+    def check_free(self, name: str, *, overwrite: bool) -> None:
+        """409 unless ``name`` is unused or may be replaced (checked before a fit, and again when storing it)."""
+        if name in self.items and not overwrite:
+            raise conflict(f"classifier {name!r} exists; pass overwrite=true to replace it")
 
     def get(self, name: str) -> FewShotClassifier:
         clf = self.items.get(name)

@@ -28,10 +28,12 @@ from typing import Any
 import faiss
 import numpy as np
 
+from msn_core.durable import fsync_path
+
 from .errors import NAME_RE
+from .index_config import IndexConfig, build_index
 from .index_files import IVF_TYPES, write_index_dir
-from .indexes import IndexConfig, _build
-from .storage import fsync_path, lock_data_dir, remove_durably
+from .storage import lock_data_dir, remove_durably
 
 GB = 1e9
 PQ_CHOICES = (64, 48, 32, 24, 16, 12, 8, 4)
@@ -287,7 +289,7 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     cfg = IndexConfig(dim=d, metric=args.metric, type=plan.type, normalize=normalize, nlist=max(1, plan.nlist),
                       m=plan.hnsw_m, ef_construction=args.ef_construction,
                       model_id=str(corpus.manifest.get("model_id") or ""), pq_m=plan.pq_m)
-    index = _build(cfg)
+    index = build_index(cfg)
     rng = np.random.default_rng(args.seed)
     perm = rng.permutation(n)
     nq = min(args.queries, n)

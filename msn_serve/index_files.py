@@ -16,7 +16,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from .storage import fsync_path
+from msn_core.durable import fsync_path
 
 CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
 IVF_TYPES = ("ivf", "ivfpq")

@@ -14,56 +14,25 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import faiss
 import numpy as np
 
+from msn_core.durable import atomic_write, fsync_path
+
 from .errors import conflict, not_found, read_only_replica, unprocessable
+from .index_config import IndexConfig, build_index, config_from_spec
 from .index_files import INDEX_FILE, IVF_TYPES, STATE_FILE, read_index_dir, write_index_dir
-from .storage import WriteAheadLog, atomic_write, fsync_path, quarantine, remove_durably
+from .storage import WriteAheadLog, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class IndexConfig:
-    dim: int
-    metric: Literal["ip", "l2"] = "ip"
-    type: Literal["flat", "ivf", "ivfpq", "hnsw"] = "flat"
-    normalize: bool = True
-    nlist: int = 256
-    nprobe: int = 16
-    m: int = 32
-    ef_construction: int = 80
-    ef_search: int = 64
-    model_id: str = ""
-    pq_m: int = 0  # ivfpq: bytes per code (8-bit sub-quantizers)
-
-
-def _build(cfg: IndexConfig) -> faiss.Index:
-    metric = faiss.METRIC_INNER_PRODUCT if cfg.metric == "ip" else faiss.METRIC_L2
-    if cfg.type == "flat":
-        inner = faiss.IndexFlatIP(cfg.dim) if cfg.metric == "ip" else faiss.IndexFlatL2(cfg.dim)
-    elif cfg.type == "ivf":
-        quant = faiss.IndexFlatIP(cfg.dim) if cfg.metric == "ip" else faiss.IndexFlatL2(cfg.dim)
-        # IVF stores external ids in its inverted lists natively. It must NOT sit inside an IndexIDMap: IVF's
-        # remove_ids does not renumber internal ids the way IDMap's bookkeeping assumes, so ids would scramble.
-        return faiss.IndexIVFFlat(quant, cfg.dim, cfg.nlist, metric)  # the wrapper keeps `quant` alive
-    elif cfg.type == "ivfpq":
-        quant = faiss.IndexFlatIP(cfg.dim) if cfg.metric == "ip" else faiss.IndexFlatL2(cfg.dim)
-        return faiss.IndexIVFPQ(quant, cfg.dim, cfg.nlist, cfg.pq_m, 8, metric)
-    else:
-        inner = faiss.IndexHNSWFlat(cfg.dim, cfg.m, metric)
-        inner.hnsw.efConstruction = cfg.ef_construction
-    return faiss.IndexIDMap2(inner)  # faiss' Python wrapper keeps a reference to `inner`
 
 
 def _encode(op: str, ids: np.ndarray, vecs: np.ndarray | None, metadata: list | None) -> bytes:
@@ -101,7 +70,7 @@ class ManagedIndex:
     def create(cls, path: Path, cfg: IndexConfig) -> ManagedIndex:
         path.mkdir(parents=True, exist_ok=False)
         atomic_write(path / "config.json", json.dumps(asdict(cfg), indent=1).encode())
-        obj = cls(path, cfg, _build(cfg), {}, 0, set())  # creates wal.log
+        obj = cls(path, cfg, build_index(cfg), {}, 0, set())  # creates wal.log
         fsync_path(path)
         fsync_path(path.parent)  # the new index directory itself must survive a crash
         return obj
@@ -112,7 +81,7 @@ class ManagedIndex:
         prefix replayed (a torn tail is an unacknowledged write and is dropped)."""
         cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
         snap = path / "snapshot.npz"
-        index, metadata, seq, ids = _build(cfg), {}, 0, set()
+        index, metadata, seq, ids = build_index(cfg), {}, 0, set()
         if snap.exists():
             with np.load(snap, allow_pickle=False) as z:
                 index = faiss.deserialize_index(np.ascontiguousarray(z["index"]))
@@ -300,6 +269,10 @@ class ManagedIndex:
                 out.append(hits)
         return out
 
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
     def stats(self) -> dict[str, Any]:
         with self.lock:
             return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
@@ -356,11 +329,17 @@ class IndexStore:
                 problems.append(p.name)
         return problems
 
+    def find(self, name: str) -> ManagedIndex | None:
+        return self.indexes.get(name)
+
     def get(self, name: str) -> ManagedIndex:
         idx = self.indexes.get(name)
         if idx is None:
             raise not_found(f"no index named {name!r}")
         return idx
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [idx.stats() for idx in list(self.indexes.values())]
 
     def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False) -> ManagedIndex:
         if self.read_only:
@@ -370,7 +349,7 @@ class IndexStore:
                 if exist_ok:
                     return self.indexes[name]
                 raise conflict(f"index {name!r} already exists")
-            cfg = _config_from(spec, self.default_dim, self.model_id)
+            cfg = config_from_spec(spec, self.default_dim, self.model_id)
             idx = ManagedIndex.create(self.root / name, cfg)
             idx.compact_bytes = self.compact_bytes
             self.indexes[name] = idx
@@ -393,35 +372,3 @@ class IndexStore:
                 idx.close()
             except Exception:
                 log.exception("closing index %s", idx.path.name)
-
-
-def _config_from(spec: dict[str, Any], default_dim: int, model_id: str) -> IndexConfig:
-    allowed = {"dim", "metric", "type", "normalize", "nlist", "nprobe", "m", "ef_construction", "ef_search"}
-    bad = sorted(set(spec) - allowed)
-    if bad:
-        raise unprocessable(f"unknown index option(s) {bad}; allowed: {sorted(allowed)}")
-    metric = spec.get("metric", "ip")
-    kind = spec.get("type", "flat")
-    if metric not in ("ip", "l2"):
-        raise unprocessable(f"metric must be 'ip' or 'l2', got {metric!r}")
-    if kind not in ("flat", "ivf", "hnsw"):
-        raise unprocessable(f"type must be 'flat', 'ivf' or 'hnsw', got {kind!r}")
-    ints = {}
-    for key, default, lo, hi in (("dim", default_dim, 1, 65536), ("nlist", 256, 1, 1 << 20),
-                                 ("nprobe", 16, 1, 1 << 20), ("m", 32, 2, 256),
-                                 ("ef_construction", 80, 1, 4096), ("ef_search", 64, 1, 4096)):
-        v = spec.get(key, default)
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise unprocessable(f"{key} must be an integer in [{lo}, {hi}], got {v!r}")
-        ints[key] = v
-    normalize = spec.get("normalize", metric == "ip")
-    if not isinstance(normalize, bool):
-        raise unprocessable(f"normalize must be true or false, got {normalize!r}")
-    if kind == "ivf" and ints["nprobe"] > ints["nlist"]:
-        ints["nprobe"] = ints["nlist"]
-    return IndexConfig(metric=metric, type=kind, normalize=normalize, model_id=model_id, **ints)
-
-
-def recommended_nlist(n: int) -> int:
-    """4*sqrt(n) rounded to a power of two (the autofaiss rule of thumb), for docs and benchmarks."""
-    return 1 << max(0, round(math.log2(max(1.0, 4 * math.sqrt(n)))))

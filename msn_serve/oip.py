@@ -4,7 +4,9 @@
 gives the JSON length; each binary input carries ``parameters.binary_data_size``), so the extension is not
 optional in practice. Inference goes through the same batcher as ``/embed``: every row of an OIP batch is an item,
 so OIP and native clients share batches. Inputs: ``pixel_values`` FP32 [B,C,H,W] (already normalised), optional
-``keep_idx`` INT64 [B,K] and ``keep_mask`` BOOL [B,K]; output ``embedding`` FP32 [B,D]. Errors: ``{"error": ...}``.
+``keep_idx`` INT64 [B,K] (``-1`` = padding, as in the bundle graph; a ``keep_mask`` BOOL [B,K] input is accepted
+too); or, instead of ``keep_idx``, a request parameter ``mask`` holding the same mask specification ``/embed``
+takes (:mod:`msn_core.masks`). Output ``embedding`` FP32 [B,D]. Errors: ``{"error": ...}``.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from msn_core.bundle import BundleInfo
+from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
+
 from .errors import ApiError, bad_request, not_found, too_large
 from .service import Service
 
@@ -26,7 +31,8 @@ DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": n
           "UINT64": np.uint64, "BOOL": np.bool_}
 
 
-def _version() -> str:
+def package_version() -> str:
+    """The installed ``msn`` distribution's version (the server's and the OpenAPI document's)."""
     try:
         return version("msn")
     except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -46,7 +52,7 @@ def _model(request: Request, model: str) -> Service:
 
 @router.get("")
 async def server_metadata() -> dict[str, Any]:
-    return {"name": "msn-serve", "version": _version(), "extensions": ["binary_tensor_data"]}
+    return {"name": "msn-serve", "version": package_version(), "extensions": ["binary_tensor_data"]}
 
 
 @router.get("/health/live")
@@ -78,12 +84,13 @@ async def model_metadata(model: str, request: Request, ver: str | None = None) -
     svc = _model(request, model)
     i = svc.info
     inputs = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, i.in_chans, i.image_size, i.image_size]},
-              {"name": "keep_idx", "datatype": "INT64", "shape": [-1, -1], "optional": True},
+              {"name": "keep_idx", "datatype": "INT64", "shape": [-1, -1], "optional": True},  # -1 = padding
               {"name": "keep_mask", "datatype": "BOOL", "shape": [-1, -1], "optional": True}]
     return {"name": i.model_id, "versions": ["1"], "platform": "onnxruntime_onnx", "inputs": inputs,
             "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, i.embed_dim]}],
             "parameters": {"patch_grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
-                           "preprocessing": i.raw.get("preprocessing")}}
+                           "preprocessing": i.preprocessing.to_dict(),
+                           "mask": "request parameter: a mask specification as /embed takes, instead of keep_idx"}}
 
 
 @router.get("/models/{model}/config")
@@ -166,45 +173,46 @@ def _parse(request_json: dict[str, Any], binary: bytes) -> dict[str, np.ndarray]
     return tensors
 
 
-def _items(svc: Service, t: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    i = svc.info
+def _keep_rows(t: dict[str, np.ndarray], batch: int) -> list[np.ndarray]:
+    """``keep_idx`` rows without their padding (``-1`` entries, or ``keep_mask`` False)."""
+    ki, km = t["keep_idx"], t.get("keep_mask")
+    if ki.dtype.kind not in "iu" or ki.ndim != 2 or ki.shape[0] != batch or ki.shape[1] < 1:
+        raise bad_request(f"keep_idx must be an integer tensor [B={batch}, K>=1], got {ki.dtype} {list(ki.shape)}")
+    if km is not None and (km.dtype != np.bool_ or km.shape != ki.shape):
+        raise bad_request(f"keep_mask must be BOOL with the shape of keep_idx {list(ki.shape)}")
+    kept = ki != PAD if km is None else km & (ki != PAD)
+    return [ki[r][kept[r]] for r in range(batch)]
+
+
+def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Input tensors, and the request's ``mask`` parameter, -> ``(pixels (C,H,W), keep_idx (K,))`` per row."""
     unknown = sorted(set(t) - {"pixel_values", "keep_idx", "keep_mask"})
     if unknown:
         raise bad_request(f"unknown input(s) {unknown}; expected pixel_values [, keep_idx, keep_mask]")
     if "pixel_values" not in t:
         raise bad_request("missing input 'pixel_values'")
     px = t["pixel_values"]
-    want = (i.in_chans, i.image_size, i.image_size)
+    want = (info.in_chans, info.image_size, info.image_size)
     if px.ndim != 4 or px.shape[1:] != want:
         raise bad_request(f"pixel_values must have shape [B, {want[0]}, {want[1]}, {want[2]}], got {list(px.shape)}")
     px = px.astype(np.float32)
     if not np.isfinite(px).all():
         raise bad_request("pixel_values contain NaN or infinity")
-    b = px.shape[0]
-    svc.check_count(b)
-    if "keep_idx" not in t:
-        if "keep_mask" in t:
-            raise bad_request("keep_mask needs keep_idx")
-        full = np.arange(i.num_patches, dtype=np.int64)
-        return [(px[r], full) for r in range(b)]
-    ki = t["keep_idx"]
-    if ki.dtype.kind not in "iu" or ki.ndim != 2 or ki.shape[0] != b or ki.shape[1] < 1:
-        raise bad_request(f"keep_idx must be an integer tensor [B={b}, K>=1], got {ki.dtype} {list(ki.shape)}")
-    km = t.get("keep_mask")
-    if km is not None and (km.dtype != np.bool_ or km.shape != ki.shape):
-        raise bad_request(f"keep_mask must be BOOL with the shape of keep_idx {list(ki.shape)}")
-    items = []
-    for r in range(b):
-        row = ki[r].astype(np.int64) if km is None else ki[r][km[r]].astype(np.int64)
-        if row.size == 0:
-            raise bad_request(f"row {r}: keep_mask keeps no patch")
-        if row.min() < 0 or row.max() >= i.num_patches:
-            raise bad_request(f"row {r}: keep_idx values must be in [0, {i.num_patches})")
-        uniq = np.unique(row)
-        if uniq.size != row.size:
-            raise bad_request(f"row {r}: keep_idx has duplicate indices")
-        items.append((px[r], uniq))
-    return items
+    if "keep_mask" in t and "keep_idx" not in t:
+        raise bad_request("keep_mask needs keep_idx")
+    if mask is not None and "keep_idx" in t:
+        raise bad_request("give either the keep_idx input or the mask parameter, not both")
+    try:
+        if "keep_idx" in t:
+            rows = _keep_rows(t, px.shape[0])
+            keeps = [check_keep(row, info.num_patches, f"keep_idx row {r}") for r, row in enumerate(rows)]
+        else:
+            keeps = resolve_masks(json.loads(mask) if isinstance(mask, str) else mask, px.shape[0], info.grid)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"parameters.mask: not valid JSON ({e.msg} at position {e.pos})") from None
+    except MaskError as e:
+        raise bad_request(str(e)) from None
+    return list(zip(px, keeps, strict=True))
 
 
 @router.post("/models/{model}/infer")
@@ -226,11 +234,15 @@ async def infer(model: str, request: Request, ver: str | None = None) -> Respons
         raise bad_request(f"inference request header is not valid JSON ({e})") from None
     if not isinstance(req, dict):
         raise bad_request("inference request must be a JSON object")
-    items = _items(svc, _parse(req, binary))
+    params = req.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise bad_request("'parameters' must be an object")
+    items = oip_items(svc.info, _parse(req, binary), params.get("mask"))
+    svc.check_count(len(items))
     outputs = req.get("outputs") or []
     if not isinstance(outputs, list) or any(not isinstance(o, dict) or o.get("name") != "embedding" for o in outputs):
         raise bad_request("the only output is 'embedding'")
-    binary_out = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    binary_out = bool(params.get("binary_data_output", False))
     for o in outputs:
         binary_out = bool((o.get("parameters") or {}).get("binary_data", binary_out))
     emb = await svc.batcher.embed(items)

@@ -12,7 +12,8 @@ import warnings
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from .bundle import Preprocessing
+from msn_core.bundle import Preprocessing
+
 from .errors import ApiError, too_large, unprocessable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated upload is an error, not a grey half-image

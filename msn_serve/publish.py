@@ -22,9 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from msn_core.durable import atomic_write, fsync_path
+
 from .fewshot import ClassifierStore
 from .indexes import IndexStore
-from .storage import atomic_write, fsync_path, remove_durably
+from .storage import remove_durably
 
 log = logging.getLogger("msn_serve.publish")
 PUBLISHED, CURRENT, MANIFEST = "published", "CURRENT", "manifest.json"

@@ -1,7 +1,8 @@
 """The process-wide service object: bundle, engine, batcher, stores, metrics and readiness.
 
 Route modules stay thin: they parse a request into a :class:`~msn_serve.inputs.Payload` and call the methods here,
-which own the policies (where preprocessing runs, how masks map to tokens, when the service counts as ready).
+which own the policies (where preprocessing runs, how masks map to tokens, what a fit or an add checks, when an
+index is created on the fly, when the service counts as ready).
 """
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from typing import Any
 
 import numpy as np
 
+from msn_core.bundle import ONNX_FILE, BundleInfo, load_bundle_info
+from msn_core.masks import MaskError, resolve_masks
+
 from .batcher import Batcher
-from .bundle import BundleInfo, Engine, load_bundle
 from .config import Settings
-from .errors import ApiError, conflict, read_only_replica, unprocessable
-from .fewshot import ClassifierStore
+from .engine import Engine
+from .errors import ApiError, check_name, conflict, read_only_replica, unprocessable
+from .fewshot import ClassifierStore, FewShotClassifier
+from .fewshot import fit as fit_classifier
 from .indexes import IndexStore
 from .inputs import Payload
-from .masks import resolve_masks
 from .metrics import Metrics
 from .preprocess import preprocess_bytes
 from .publish import current_version, load_version, publish, state_signature
@@ -37,7 +41,7 @@ class Service:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
-        self.info: BundleInfo = load_bundle(settings.bundle)
+        self.info: BundleInfo = load_bundle_info(settings.bundle, need=(ONNX_FILE,))
         self.api_key = settings.resolved_api_key()
         self.read_only = settings.reader
         self.snapshot_version: str | None = None  # reader: the published version it serves
@@ -205,7 +209,7 @@ class Service:
                 self.metrics.ready.set(0)
                 return False, detail
         self.metrics.ready.set(1)
-        detail["queue_depth"] = len(self.batcher._queue)
+        detail["queue_depth"] = self.batcher.queue_depth
         return True, detail
 
     # ---- shared request helpers ------------------------------------------------------------------------------
@@ -214,7 +218,7 @@ class Service:
 
     async def preprocess(self, images: list[tuple[str, bytes]]) -> list[np.ndarray]:
         loop = asyncio.get_running_loop()
-        pre, limit = self.info.pre, self.settings.max_image_pixels
+        pre, limit = self.info.preprocessing, self.settings.max_image_pixels
         tasks = [loop.run_in_executor(self.pre_pool, lambda d=d, w=w: preprocess_bytes(d, pre, max_pixels=limit,
                                                                                            what=w))
                  for w, d in images]
@@ -228,23 +232,90 @@ class Service:
                 raise unprocessable(f"could not preprocess image: {r!r}")
         return results  # type: ignore[return-value]
 
-    async def embed_payload(self, payload: Payload, *, required: bool = True,
-                            normalize: bool = False) -> tuple[np.ndarray | None, list[int]]:
-        """Embed the payload's images with its ``mask`` field; ``None`` when it has no images."""
+    async def embed_payload(self, payload: Payload, *,
+                            normalize: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Embed the payload's images under its ``mask`` field: ``(embeddings (n, D), keep_idx per image)``."""
         if not payload.images:
-            if required:
-                raise unprocessable("no image: send files as 'image'/'images' (multipart) or base64 in JSON")
-            return None, []
+            raise unprocessable("no image: send files as 'image'/'images' (multipart) or base64 in JSON")
         if self.batcher is None:
             raise ApiError(503, "service is starting")
-        mask_spec = payload.json_field("mask")
-        keeps = resolve_masks(mask_spec, len(payload.images), self.info.grid)
+        try:
+            keeps = resolve_masks(payload.json_field("mask"), len(payload.images), self.info.grid)
+        except MaskError as e:
+            raise unprocessable(str(e)) from None
         pixels = await self.preprocess(payload.images)
         emb = await self.batcher.embed(list(zip(pixels, keeps, strict=True)))
         if normalize:
             emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-        return emb, [int(k.size) for k in keeps]
+        return emb, keeps
 
     def check_count(self, n: int) -> None:
         if n > self.settings.max_images_per_request:
             raise ApiError(413, f"at most {self.settings.max_images_per_request} images/vectors per request")
+
+    async def vectors(self, payload: Payload, field: str, dim: int) -> np.ndarray:
+        """The vectors sent in ``field``, or else the embeddings of the payload's images (never both)."""
+        vecs = payload.matrix(field, dim)
+        if vecs is not None and payload.images:
+            raise unprocessable(f"send either images or {field}, not both")
+        if vecs is not None:
+            return vecs
+        if dim != self.info.embed_dim:
+            raise unprocessable(f"expected vectors of dimension {dim}; the model embeds images to "
+                                f"{self.info.embed_dim}: send {field}")
+        emb, _ = await self.embed_payload(payload)
+        return emb
+
+    # ---- few-shot classifiers and indexes: what a request may do -----------------------------------------------
+    async def fit_classifier(self, payload: Payload) -> FewShotClassifier:
+        """Fit and store a classifier from images or embeddings and their labels (``lambd`` defaults to the
+        settings', which default to the low-shot protocol's)."""
+        self.require_writer()
+        name = check_name(payload.string("name") or "", "classifier name")
+        labels = payload.json_field("labels")
+        if not isinstance(labels, list) or not labels or not all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in labels):
+            raise unprocessable("labels: expected a non-empty JSON list of strings (one per image/embedding)")
+        labels = [str(v) for v in labels]
+        lambd = payload.number("lambd", self.settings.default_lambd)
+        overwrite = payload.boolean("overwrite", False)
+        self.classifiers.check_free(name, overwrite=overwrite)  # before the embedding and fitting work
+        x = await self.vectors(payload, "embeddings", self.info.embed_dim)
+        if len(labels) != len(x):
+            raise unprocessable(f"{len(labels)} labels for {len(x)} images/embeddings")
+        clf = await self.run_work(lambda: fit_classifier(name, x, labels, lambd=lambd,
+                                                         threads=self.settings.fit_threads))
+        await self.run_work(lambda: self.classifiers.put(clf, overwrite=overwrite))
+        return clf
+
+    async def predict(self, name: str, payload: Payload) -> list[list[dict[str, Any]]]:
+        clf = self.classifiers.get(check_name(name, "classifier name"))
+        k = payload.integer("k", 5, 1, 10_000)
+        return clf.predict(await self.vectors(payload, "embeddings", self.info.embed_dim), k)
+
+    async def add_to_index(self, name: str, payload: Payload) -> dict[str, Any]:
+        """Add vectors (or embedded images) under ids; a missing index is created with the default options."""
+        self.require_writer()
+        check_name(name, "index name")
+        ids, metadata = payload.json_field("ids"), payload.json_field("metadata")
+        idx = self.indexes.find(name)
+        vecs = await self.vectors(payload, "vectors", idx.cfg.dim if idx is not None else self.info.embed_dim)
+        if idx is None:
+            idx = await self.run_work(lambda: self.indexes.create(name, {"dim": vecs.shape[1]}, exist_ok=True))
+        added = await self.run_work(idx.add, ids, vecs, metadata)
+        return {"name": name, "added": added, "ntotal": idx.ntotal}
+
+    async def search_index(self, name: str, payload: Payload) -> dict[str, Any]:
+        idx = self.indexes.get(check_name(name, "index name"))
+        k = payload.integer("k", 10, 1, 10_000)
+        nprobe = payload.integer("nprobe", idx.cfg.nprobe, 1, 1 << 20)
+        ef = payload.integer("ef_search", idx.cfg.ef_search, 1, 1 << 16)
+        vecs = await self.vectors(payload, "vectors", idx.cfg.dim)
+        results = await self.run_work(lambda: idx.search(vecs, k, nprobe, ef))
+        return {"name": name, "metric": idx.cfg.metric, "k": k, "results": results}
+
+    async def remove_from_index(self, name: str, payload: Payload) -> dict[str, Any]:
+        self.require_writer()
+        idx = self.indexes.get(check_name(name, "index name"))
+        out = await self.run_work(idx.remove, payload.json_field("ids"))
+        return {"name": name, **out, "ntotal": idx.ntotal}

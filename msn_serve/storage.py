@@ -1,7 +1,7 @@
-"""Crash-safe file primitives: atomic replace, a CRC-framed write-ahead log, and quarantine.
+"""Crash-safe file primitives of the service: a CRC-framed write-ahead log, durable removal, and quarantine.
 
 Durability model: a mutation is acknowledged only after its bytes are fsync'd — either a whole new file
-(temp file + fsync + rename + directory fsync: classifiers, index configs and snapshots) or one appended WAL record
+(:func:`msn_core.durable.atomic_write`: classifiers, index configs and snapshots) or one appended WAL record
 (index add/delete). After ``kill -9`` the state is exactly the acknowledged operations. Files that fail to parse
 at start-up are moved under ``<data-dir>/quarantine/`` with a logged reason instead of being dropped.
 """
@@ -15,31 +15,12 @@ import time
 import zlib
 from pathlib import Path
 
+from msn_core.durable import fsync_path
+
 log = logging.getLogger("msn_serve.storage")
 
 _MAGIC = b"MSNW"
 _HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32(seq + payload), sequence number
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes a rename inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a crash leaves either the old or the new file, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def remove_durably(path: Path) -> None:

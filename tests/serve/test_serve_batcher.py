@@ -7,15 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from msn_core.bundle import load_bundle_info
+from msn_core.masks import resolve_mask
 from msn_serve.batcher import Batcher, QueueFull
-from msn_serve.bundle import Engine, load_bundle
-from msn_serve.masks import resolve_mask
+from msn_serve.engine import Engine
 from msn_serve.metrics import Metrics
 
 
 @pytest.fixture(scope="module")
 def engine(bundle_dir: Path) -> Engine:
-    return Engine(load_bundle(bundle_dir), intra_op_threads=1)
+    return Engine(load_bundle_info(bundle_dir), intra_op_threads=1)
 
 
 def _inputs(n: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -28,8 +29,7 @@ def _inputs(n: int) -> tuple[np.ndarray, list[np.ndarray]]:
 
 def test_concurrent_mixed_masks_equal_one_at_a_time(engine: Engine):
     pixels, keeps = _inputs(21)
-    solo = np.stack([engine.run(pixels[i:i + 1], keeps[i][None], np.ones((1, keeps[i].size), bool))[0]
-                     for i in range(len(keeps))])
+    solo = np.stack([engine.run(pixels[i:i + 1], keeps[i][None])[0] for i in range(len(keeps))])
 
     async def go() -> tuple[np.ndarray, Batcher]:
         b = Batcher(engine, Metrics(), max_batch_size=16, max_wait_ms=50, queue_size=64)

@@ -9,11 +9,10 @@ import pytest
 from PIL import Image
 from serve_helpers import PREPROCESSING, encode, random_image
 
-from msn_serve.bundle import load_bundle
+from msn_core.bundle import load_bundle_info
 from msn_serve.errors import ApiError
 from msn_serve.fewshot import ClassifierStore, fit
 from msn_serve.indexes import IndexStore
-from msn_serve.masks import resolve_mask, resolve_masks
 from msn_serve.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
 from msn_serve.storage import WriteAheadLog
 
@@ -26,9 +25,9 @@ def test_preprocessing_matches_training_eval_transform(bundle_dir: Path, shape: 
 
     from training.views import eval_transform
 
-    info = load_bundle(bundle_dir)
+    info = load_bundle_info(bundle_dir)
     img = random_image(3, *shape)
-    ours = preprocess_uint8(img.transpose(2, 0, 1), info.pre)
+    ours = preprocess_uint8(img.transpose(2, 0, 1), info.preprocessing)
     ref = eval_transform(torch.from_numpy(img.transpose(2, 0, 1)[None].copy()), resize=36, crop=32,
                          mean=PREPROCESSING["mean"], std=PREPROCESSING["std"])[0].numpy()
     assert ours.shape == ref.shape == (3, 32, 32)
@@ -36,11 +35,11 @@ def test_preprocessing_matches_training_eval_transform(bundle_dir: Path, shape: 
     assert np.abs(ours - ref).max() <= grey * 1.01
     assert np.abs(ours - ref).mean() < grey * 0.35  # most pixels identical, the rest off by one level
     # The decode path (file bytes) is the same transform.
-    assert np.array_equal(preprocess_bytes(encode(img), info.pre, max_pixels=10**8), ours)
+    assert np.array_equal(preprocess_bytes(encode(img), info.preprocessing, max_pixels=10**8), ours)
 
 
 def test_extreme_aspect_uses_windowed_resize_equivalently(bundle_dir: Path):
-    pre = load_bundle(bundle_dir).pre
+    pre = load_bundle_info(bundle_dir).preprocessing
     im = Image.fromarray(random_image(5, 20, 900))  # resized strip would be 36 x 1620 -> windowed path
     windowed = np.asarray(resize_crop(im, pre), dtype=np.int16)
     nw, nh = 1620, 36
@@ -48,37 +47,6 @@ def test_extreme_aspect_uses_windowed_resize_equivalently(bundle_dir: Path):
     left = (nw - 32) // 2
     ref = np.asarray(full.crop((left, 2, left + 32, 34)), dtype=np.int16)
     assert np.abs(windowed - ref).max() <= 1
-
-
-# ---- masks ---------------------------------------------------------------------------------------------------------
-def test_mask_forms():
-    g = 8
-    assert np.array_equal(resolve_mask(None, g), np.arange(64))
-    r1, r2 = resolve_mask({"ratio": 0.75, "seed": 3}, g), resolve_mask({"ratio": 0.75, "seed": 3}, g)
-    assert r1.size == 16 and np.array_equal(r1, r2) and np.all(np.diff(r1) > 0)
-    assert not np.array_equal(r1, resolve_mask({"ratio": 0.75, "seed": 4}, g))
-    focal = resolve_mask({"focal": {"size": 2}}, g)
-    assert focal.tolist() == [27, 28, 35, 36]
-    assert resolve_mask({"focal": {"size": [1, 3], "top": 0, "left": 5}}, g).tolist() == [5, 6, 7]
-    assert resolve_mask({"keep_idx": [9, 3, 5]}, g).tolist() == [3, 5, 9]
-    bm = [[0] * 8 for _ in range(8)]
-    bm[0][1] = bm[7][7] = 1
-    assert resolve_mask({"bitmap": bm}, g).tolist() == [1, 63]
-    assert len(resolve_masks([None, {"ratio": 0.5}], 2, g)) == 2
-
-
-@pytest.mark.parametrize("spec, needle", [
-    ({"ratio": 1.0}, "ratio"), ({"ratio": -0.1}, "ratio"), ({"ratio": "x"}, "ratio"),
-    ({"ratio": 0.5, "seed": -1}, "seed"), ({"focal": {"size": 9}}, "8x8"),
-    ({"focal": {"size": 2, "top": 7}}, "top"), ({"keep_idx": [64]}, "[0, 64)"), ({"keep_idx": [1, 1]}, "duplicate"),
-    ({"keep_idx": []}, "keep_idx"), ({"bitmap": [[1] * 7] * 7}, "8x8"), ({"bitmap": [[0] * 8] * 8}, "keeps no"),
-    ({"bitmap": [[2] * 8] * 8}, "0 (dropped)"), ({"ratio": 0.5, "focal": {}}, "exactly one"), ({"nope": 1}, "unknown"),
-    ([1], "object"),
-])
-def test_bad_masks_are_422_naming_the_problem(spec, needle):
-    with pytest.raises(ApiError) as e:
-        resolve_mask(spec, 8)
-    assert e.value.status == 422 and needle in e.value.message
 
 
 # ---- few-shot ------------------------------------------------------------------------------------------------------
@@ -171,7 +139,7 @@ def test_index_rejects_bad_vectors_and_ids(tmp_path: Path):
 
 
 def test_bundle_metadata_is_what_export_wrote(bundle_dir: Path):
-    info = load_bundle(bundle_dir)
+    info = load_bundle_info(bundle_dir)
     raw = json.loads((bundle_dir / "msn.json").read_text())
     assert info.model_id == raw["model_id"] and info.grid == 8 and info.embed_dim == 64
 
@@ -206,9 +174,9 @@ def test_fp16_variant_for_cuda_is_accurate_and_cuda_falls_back_to_cpu(bundle_dir
     needs onnxruntime-gpu and a GPU."""
     import onnxruntime as ort
 
-    from msn_serve.bundle import Engine, _fp16_variant
+    from msn_serve.engine import Engine, _fp16_variant
 
-    info = load_bundle(bundle_dir)
+    info = load_bundle_info(bundle_dir)
     path = _fp16_variant(bundle_dir / "model.onnx", tmp_path)
     assert path.name == "model.fp16.onnx"
     eng = Engine(info, intra_op_threads=1)

@@ -1,6 +1,8 @@
 """kill -9 durability, quarantine of corrupt files, API-key auth and env/flag configuration, on real processes."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from serve_helpers import Server, encode, random_image
@@ -139,11 +141,19 @@ def test_bad_bundle_fails_fast_with_a_message(tmp_path):
     import subprocess
     import sys
 
+    def serve(bundle: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "msn_serve", "--bundle", str(bundle), "--data-dir",
+                               str(tmp_path / "d")], check=False, capture_output=True, text=True, timeout=60)
+
     (tmp_path / "b").mkdir()
-    r = subprocess.run([sys.executable, "-m", "msn_serve", "--bundle", str(tmp_path / "b"), "--data-dir",
-                        str(tmp_path / "d")], check=False, capture_output=True,
-                       text=True, timeout=60)
+    r = serve(tmp_path / "b")
+    assert r.returncode == 2 and "is not an MSN bundle (no msn.json)" in r.stderr
+    (tmp_path / "b" / "msn.json").write_text('{"format_version": 1, "model_id": "m"}')
+    r = serve(tmp_path / "b")
     assert r.returncode == 2 and "no model.onnx" in r.stderr
+    (tmp_path / "b" / "model.onnx").write_bytes(b"")
+    r = serve(tmp_path / "b")
+    assert r.returncode == 2 and "msn.json: missing field 'architecture'" in r.stderr
 
 
 def test_full_queue_is_503_with_retry_after_over_http(bundle_dir, tmp_path):

@@ -14,7 +14,9 @@ import pytest
 from PIL import Image
 from serve_helpers import Server, encode, random_image
 
-from msn_serve.bundle import Engine, load_bundle
+from msn_core.bundle import load_bundle_info
+from msn_core.masks import resolve_mask
+from msn_serve.engine import Engine
 from msn_serve.preprocess import preprocess_bytes
 
 
@@ -35,13 +37,13 @@ def http(srv: Server):
 @pytest.fixture(scope="module")
 def local(bundle_dir: Path):
     """The same model run in-process, to check what the server returns."""
-    info = load_bundle(bundle_dir)
+    info = load_bundle_info(bundle_dir)
     eng = Engine(info, intra_op_threads=1)
 
     def embed(data: bytes, keep: np.ndarray | None = None) -> np.ndarray:
-        px = preprocess_bytes(data, info.pre, max_pixels=10**9)[None]
+        px = preprocess_bytes(data, info.preprocessing, max_pixels=10**9)[None]
         k = np.arange(64, dtype=np.int64) if keep is None else np.asarray(keep, dtype=np.int64)
-        return eng.run(px, k[None], np.ones((1, k.size), bool))[0]
+        return eng.run(px, k[None])[0]
 
     return embed
 
@@ -76,6 +78,7 @@ def test_embed_multipart_json_and_normalize(http, local):
     np.testing.assert_allclose(one[0], local(IMG), atol=1e-6)
     body = http.post("/embed", files=[("images", ("a.png", IMG)), ("images", ("b.png", IMG2))]).json()
     assert body["count"] == 2 and body["dim"] == 64 and body["model_id"] and body["kept_tokens"] == [64, 64]
+    assert "keep_idx" not in body  # only masked requests echo their kept patches
     b64 = [base64.b64encode(IMG).decode(), "data:image/png;base64," + base64.b64encode(IMG2).decode()]
     js = _emb(http.post("/embed", json={"images": b64, "normalize": True}))
     np.testing.assert_allclose(np.linalg.norm(js, axis=1), 1.0, atol=1e-5)
@@ -87,7 +90,7 @@ def test_embed_masks(http, local):
               for _ in range(2)]
     np.testing.assert_array_equal(seeded[0], seeded[1])
     r = http.post("/embed", files={"image": IMG}, data={"mask": '{"focal": {"size": 2}}'})
-    assert r.json()["kept_tokens"] == [4]
+    assert r.json()["kept_tokens"] == [4] and r.json()["keep_idx"] == [[27, 28, 35, 36]]
     np.testing.assert_allclose(_emb(r)[0], local(IMG, [27, 28, 35, 36]), atol=1e-6)
     bitmap = [[1 if (r_ + c) % 2 == 0 else 0 for c in range(8)] for r_ in range(8)]
     r = http.post("/embed", json={"image": base64.b64encode(IMG).decode(), "mask": {"bitmap": bitmap}})
@@ -163,7 +166,7 @@ def test_unusual_valid_images_embed(http, local, kind):
 
 
 def test_unusual_images_are_converted_correctly(bundle_dir: Path):
-    pre = load_bundle(bundle_dir).pre
+    pre = load_bundle_info(bundle_dir).preprocessing
     grey8 = (np.linspace(0, 65535, 1600).reshape(40, 40) / 257).round().astype(np.uint8)
     a = preprocess_bytes(_png16(), pre, max_pixels=10**6)
     b = preprocess_bytes(encode(grey8), pre, max_pixels=10**6)
@@ -248,6 +251,16 @@ BAD = {
     "oip_keep_idx_out_of_range": ("post", "/v2/models/msn/infer", {"json": {"inputs": [
         {"name": "pixel_values", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072},
         {"name": "keep_idx", "shape": [1, 2], "datatype": "INT64", "data": [0, 64]}]}}, 400),
+    "oip_mask_and_keep_idx": ("post", "/v2/models/msn/infer", {"json": {"parameters": {"mask": {"ratio": 0.5}},
+                                                                        "inputs": [
+        {"name": "pixel_values", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072},
+        {"name": "keep_idx", "shape": [1, 2], "datatype": "INT64", "data": [0, 1]}]}}, 400),
+    "oip_bad_mask_parameter": ("post", "/v2/models/msn/infer", {"json": {"parameters": {"mask": "{\"ratio\": 1}"},
+                                                                         "inputs": [
+        {"name": "pixel_values", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072}]}}, 400),
+    "oip_all_padding_row": ("post", "/v2/models/msn/infer", {"json": {"inputs": [
+        {"name": "pixel_values", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.0] * 3072},
+        {"name": "keep_idx", "shape": [1, 2], "datatype": "INT64", "data": [-1, -1]}]}}, 400),
     "oip_nan_pixels": ("post", "/v2/models/msn/infer", {
         "content": b'{"inputs":[{"name":"pixel_values","shape":[1,3,32,32],"datatype":"FP32","data":[NaN'
                    + b",0" * 3071 + b"]}]}", "headers": {"content-type": "application/json"}}, 400),
@@ -359,7 +372,7 @@ def test_index_lifecycle(http, local):
 def test_oip_with_tritonclient_binary_and_json(srv: Server, http, bundle_dir: Path):
     import tritonclient.http as tc
 
-    info = load_bundle(bundle_dir)
+    info = load_bundle_info(bundle_dir)
     client = tc.InferenceServerClient(srv.url.removeprefix("http://"))
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("msn")
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
@@ -367,9 +380,8 @@ def test_oip_with_tritonclient_binary_and_json(srv: Server, http, bundle_dir: Pa
     meta = client.get_model_metadata(info.model_id)
     assert meta["outputs"][0] == {"name": "embedding", "datatype": "FP32", "shape": [-1, 64]}
     imgs = [encode(random_image(300 + i)) for i in range(3)]
-    px = np.stack([preprocess_bytes(d, info.pre, max_pixels=10**6) for d in imgs])
+    px = np.stack([preprocess_bytes(d, info.preprocessing, max_pixels=10**6) for d in imgs])
     ref = _emb(http.post("/embed", files=[("images", d) for d in imgs], data={"mask": '{"ratio": 0.5, "seed": 3}'}))
-    from msn_serve.masks import resolve_mask
     keep = np.tile(resolve_mask({"ratio": 0.5, "seed": 3}, 8), (3, 1))
     for binary_in in (True, False):
         for binary_out in (True, False):
@@ -385,6 +397,14 @@ def test_oip_with_tritonclient_binary_and_json(srv: Server, http, bundle_dir: Pa
     a.set_data_from_numpy(px)
     full = client.infer(info.model_id, [a]).as_numpy("embedding")  # default: binary in, binary out
     assert full.shape == (3, 64)
+    by_spec = client.infer("msn", [a], parameters={"mask": '{"ratio": 0.5, "seed": 3}'})  # /embed's mask, via OIP
+    np.testing.assert_allclose(by_spec.as_numpy("embedding"), ref, atol=1e-6)
+    padded = np.tile(np.arange(64, dtype=np.int64), (3, 1))
+    padded[1] = np.r_[keep[1], [-1] * (64 - keep.shape[1])]  # mixed K in one request: -1 padding
+    k = tc.InferInput("keep_idx", list(padded.shape), "INT64")
+    k.set_data_from_numpy(padded)
+    mixed = client.infer("msn", [a, k]).as_numpy("embedding")
+    np.testing.assert_allclose(mixed[1], ref[1], atol=1e-6)
     gz = client.infer("msn", [a], request_compression_algorithm="gzip", response_compression_algorithm="gzip")
     np.testing.assert_array_equal(gz.as_numpy("embedding"), full)
     with pytest.raises(tc.InferenceServerException, match="unknown model"):

@@ -1,109 +1,23 @@
-"""Reading an exported bundle (``msn.json`` + ``model.onnx``) and running it with ONNX Runtime.
+"""ONNX Runtime session for an exported bundle, and the knowledge of how to feed it.
 
-The service never imports torch: everything it needs about the model (patch grid, preprocessing, output size)
-comes from ``msn.json``, and the ONNX graph is checked against it at load time so a mismatched bundle fails at
-start-up rather than on the first request.
+The service never imports torch: what it knows about the model comes from ``msn.json`` (read by
+:func:`msn_core.bundle.load_bundle_info`), and the graph's inputs are checked against the bundle contract at load
+time, so a mismatched bundle fails at start-up rather than on the first request.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-log = logging.getLogger("msn_serve.bundle")
+from msn_core.bundle import BundleInfo, check_graph_inputs, onnx_feeds
 
-SUPPORTED_FORMAT_VERSIONS = {1}
-
-
-class BundleError(RuntimeError):
-    """The bundle directory is unusable (missing files, inconsistent metadata)."""
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    resize: int
-    crop: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    channels: int = 3
-    interpolation: str = "bicubic"
-
-
-@dataclass(frozen=True)
-class BundleInfo:
-    """What serving needs from ``msn.json``; the raw document is kept for ``/v2/models/...`` metadata."""
-
-    path: Path
-    model_id: str
-    embed_dim: int
-    patch_size: int
-    image_size: int
-    in_chans: int
-    pre: Preprocessing
-    feature: str
-    raw: dict[str, Any] = field(repr=False)
-
-    @property
-    def grid(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid * self.grid
-
-
-def load_bundle(path: Path) -> BundleInfo:
-    """Parse and sanity-check ``msn.json``; raise :class:`BundleError` with a precise reason."""
-    meta_path = path / "msn.json"
-    if not (path / "model.onnx").is_file():
-        raise BundleError(f"{path}: no model.onnx (is this an msn-export bundle?)")
-    try:
-        raw = json.loads(meta_path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise BundleError(f"{path}: no msn.json") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"{meta_path}: not valid JSON: {e}") from e
-    try:
-        version = int(raw.get("format_version", 1))
-        if version not in SUPPORTED_FORMAT_VERSIONS:
-            raise BundleError(f"{meta_path}: format_version {version} not supported")
-        arch, pre = raw["architecture"], raw["preprocessing"]
-        info = BundleInfo(
-            path=path,
-            model_id=str(raw.get("model_id") or arch.get("name") or path.name),
-            embed_dim=int(arch["embed_dim"]),
-            patch_size=int(arch["patch_size"]),
-            image_size=int(arch.get("image_size", pre["crop"])),
-            in_chans=int(arch.get("in_chans", pre.get("channels", 3))),
-            pre=Preprocessing(
-                resize=int(pre["resize"]),
-                crop=int(pre["crop"]),
-                mean=tuple(float(m) for m in pre["mean"]),
-                std=tuple(float(s) for s in pre["std"]),
-                channels=int(pre.get("channels", 3)),
-                interpolation=str(pre.get("interpolation", "bicubic")),
-            ),
-            feature=str(raw.get("feature", "cls_pre_norm")),
-            raw=raw,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise BundleError(f"{meta_path}: missing or malformed field: {e!r}") from e
-    p = info.pre
-    if p.crop != info.image_size or info.image_size % info.patch_size:
-        raise BundleError(f"{meta_path}: crop {p.crop} / image_size {info.image_size} / patch "
-                          f"{info.patch_size} are inconsistent")
-    if len(p.mean) != p.channels or len(p.std) != p.channels or min(p.std) <= 0:
-        raise BundleError(f"{meta_path}: mean/std must have one positive entry per channel")
-    if p.resize < p.crop:
-        raise BundleError(f"{meta_path}: resize {p.resize} < crop {p.crop}")
-    return info
+log = logging.getLogger("msn_serve.engine")
 
 
 def _physical_cores() -> int:
@@ -152,27 +66,20 @@ class Engine:
         if model_path != info.path / "model.onnx" and not self._fp16_close_enough(so):
             self.model_path = info.path / "model.onnx"
             self.session = ort.InferenceSession(str(self.model_path), sess_options=so, providers=providers)
-        names = {i.name: i for i in self.session.get_inputs()}
-        if "pixel_values" not in names:
-            raise BundleError(f"{model_path}: graph has no 'pixel_values' input (has {sorted(names)})")
-        self.has_keep_idx = "keep_idx" in names
-        self.has_keep_mask = "keep_mask" in names
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        check_graph_inputs(self.input_names, where=str(model_path))
         outs = [o.name for o in self.session.get_outputs()]
         self.output_name = "embedding" if "embedding" in outs else outs[0]
-        log.info("ONNX Runtime %s session on %s (%s); keep_idx=%s keep_mask=%s", ort.__version__, self.device,
-                 self.session.get_providers()[0], self.has_keep_idx, self.has_keep_mask)
+        log.info("ONNX Runtime %s session on %s (%s); inputs %s", ort.__version__, self.device,
+                 self.session.get_providers()[0], sorted(self.input_names))
 
     def _fp16_close_enough(self, so: ort.SessionOptions, min_cosine: float = 0.999) -> bool:
         """Accuracy gate for the fp16 graph: cosine >= ``min_cosine`` against fp32 on CPU for random inputs."""
         i = self.info
         ref = ort.InferenceSession(str(i.path / "model.onnx"), sess_options=so, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
-        feeds = {"pixel_values": rng.standard_normal((4, i.in_chans, i.image_size, i.image_size)).astype(np.float32)}
-        names = {x.name for x in ref.get_inputs()}
-        if "keep_idx" in names:
-            feeds["keep_idx"] = np.stack([np.sort(rng.permutation(i.num_patches)) for _ in range(4)]).astype(np.int64)
-        if "keep_mask" in names:
-            feeds["keep_mask"] = np.ones((4, i.num_patches), dtype=bool)
+        pixels = rng.standard_normal((4, i.in_chans, i.image_size, i.image_size)).astype(np.float32)
+        feeds = onnx_feeds({x.name for x in ref.get_inputs()}, pixels, np.tile(np.arange(i.num_patches), (4, 1)))
         a = np.asarray(ref.run(None, feeds)[0], dtype=np.float64)
         b = np.asarray(self.session.run(None, feeds)[0], dtype=np.float64)
         cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
@@ -181,18 +88,9 @@ class Engine:
                 float(cos.min()), "using fp16" if ok else "falling back to fp32")
         return ok
 
-    def run(self, pixels: np.ndarray, keep_idx: np.ndarray, keep_mask: np.ndarray | None = None) -> np.ndarray:
-        """Embed a batch: ``pixels`` (B,C,H,W) float32, ``keep_idx`` (B,K) int64, ``keep_mask`` (B,K) bool."""
-        feeds: dict[str, np.ndarray] = {"pixel_values": np.ascontiguousarray(pixels, dtype=np.float32)}
-        if self.has_keep_idx:
-            feeds["keep_idx"] = np.ascontiguousarray(keep_idx, dtype=np.int64)
-        elif keep_idx.shape[1] != self.info.num_patches:
-            raise ValueError("this model was exported without keep_idx: masks are not supported")
-        if self.has_keep_mask:
-            km = np.ones(keep_idx.shape, dtype=bool) if keep_mask is None else keep_mask
-            feeds["keep_mask"] = np.ascontiguousarray(km, dtype=bool)
-        elif keep_mask is not None and not keep_mask.all():
-            raise ValueError("this model was exported without keep_mask: padded batches are not supported")
+    def run(self, pixels: np.ndarray, keep_idx: np.ndarray) -> np.ndarray:
+        """Embed a batch: ``pixels`` (B,C,H,W) float32, ``keep_idx`` (B,K) int64 with ``-1`` padding."""
+        feeds = onnx_feeds(self.input_names, pixels, keep_idx)
         with self._lock:
             if self.device == "cuda":
                 return self._run_iobinding(feeds)
