@@ -2,30 +2,34 @@
 
 Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``) so the app is also an
 API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and ``/compare``
-endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users. Sampling
-runs through Gradio's queue with a bounded concurrency.
+endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users. The random
+and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.masks` (the status line shows the
+specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
+Sampling runs through Gradio's queue with a bounded concurrency.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import gradio as gr
 import numpy as np
 import torch
 from PIL import Image
 
-from training.masking import focal_keep_idx, keep_idx_from_bitmap, random_keep_idx
+from msn_core.masks import keep_from_bitmap
+from visualizer.masks import MODES, keep_bitmap, mask_spec
 from visualizer.pipeline import RCDMPipeline, load_image
-from visualizer.render import bitmap_from_keep_idx, masked_view, patch_grid_image, to_hwc, upscale
+from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
 
 __all__ = ["build_app", "example_images", "launch"]
 
 log = logging.getLogger("msn.visualize")
-MODES = ("random", "focal", "click")
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
 GRID_PX = 320
 SHOW_PX = 160
@@ -74,6 +78,11 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
     return paths
 
 
+def kept_status(keep: np.ndarray, spec: dict[str, Any] | None) -> str:
+    text = f"{int(keep.sum())}/{keep.size} patches kept"
+    return text if spec is None else f"{text} (/embed mask {json.dumps(spec)})"
+
+
 class CheckedImage(gr.Image):
     """``gr.Image`` whose decoding failures reach the user as a readable error instead of a stack trace."""
 
@@ -112,20 +121,10 @@ class Session:
 
     def keep_bitmap(self, mode: str, ratio: float, seed: int, focal: float, clicked: np.ndarray | None,
                     grid: int | None = None) -> np.ndarray:
-        grid = grid or self.grid
-        if mode == "random":
-            if not 0 <= ratio < 1:
-                raise gr.Error("The mask ratio must be in [0, 1).")
-            keep = random_keep_idx(1, grid * grid, float(ratio), generator=torch.Generator().manual_seed(int(seed)))
-            return bitmap_from_keep_idx(keep[0], grid)
-        if mode == "focal":
-            side = min(grid, max(1, round(float(focal) * grid)))
-            return bitmap_from_keep_idx(focal_keep_idx(grid, grid, side, side), grid)
-        if mode == "click":
-            if clicked is None or np.asarray(clicked).shape != (grid, grid):
-                return np.ones((grid, grid), dtype=bool)
-            return np.asarray(clicked, dtype=bool)
-        raise gr.Error(f"Unknown mask mode {mode!r}; expected one of {', '.join(MODES)}.")
+        try:
+            return keep_bitmap(mode, ratio, seed, focal, clicked, grid or self.grid)
+        except ValueError as exc:
+            raise gr.Error(f"Bad mask: {exc}") from None
 
     def grid_picture(self, view: np.ndarray, keep: np.ndarray) -> np.ndarray:
         return patch_grid_image(view, keep, max(4, GRID_PX // keep.shape[0]))
@@ -135,7 +134,7 @@ class Session:
         if not keep.any():
             raise gr.Error("Every patch is masked: keep at least one (click a dimmed patch).")
         image = torch.from_numpy(view).permute(2, 0, 1).unsqueeze(0).contiguous()
-        samples = pipe.sample(image, keep_idx_from_bitmap(keep), num_samples=int(num_samples), steps=int(steps),
+        samples = pipe.sample(image, keep_from_bitmap(keep), num_samples=int(num_samples), steps=int(steps),
                               guidance_scale=float(guidance), seed=int(seed))
         size = max(SHOW_PX, pipe.image_size)
         return upscale(masked_view(view, keep), SHOW_PX), [upscale(to_hwc(s), size) for s in samples]
@@ -196,7 +195,8 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
                 return None, clicked_, ""
             view = session.view(path)
             keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_)
-            return session.grid_picture(view, keep), keep, f"{int(keep.sum())}/{keep.size} patches kept"
+            spec = mask_spec(mode_, ratio_, seed_, focal_, session.grid)
+            return session.grid_picture(view, keep), keep, kept_status(keep, spec)
 
         def click(path, mode_, ratio_, seed_, focal_, clicked_, evt: gr.SelectData):
             view = session.view(path)
@@ -205,8 +205,7 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
             x, y = evt.index
             row, col = min(int(y) // cell, session.grid - 1), min(int(x) // cell, session.grid - 1)
             keep[row, col] = not keep[row, col]
-            text = f"{int(keep.sum())}/{keep.size} patches kept"
-            return session.grid_picture(view, keep), keep, "click", text
+            return session.grid_picture(view, keep), keep, "click", kept_status(keep, None)
 
         def sample(path, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, sample_seed_):
             view = session.view(path)

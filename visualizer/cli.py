@@ -2,12 +2,14 @@
 
     msn-visualize train  --bundle B --data fashion-mnist --config configs/rcdm_fmnist_32.yaml --output-dir runs/rcdm
     msn-visualize sample --bundle B --decoder runs/rcdm --image shoe.png --mask-ratio 0.7 --num-samples 8 --out grid.png
+    msn-visualize sample ... --mask '{"ratio": 0.7, "seed": 1}'   # any /embed mask specification
     msn-visualize app    --bundle B --decoder runs/rcdm --port 7860
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -39,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     mask.add_argument("--mask-ratio", type=float, default=0.0, help="fraction of patches dropped at random")
     mask.add_argument("--focal", type=float, metavar="FRACTION",
                       help="keep only a centred block covering FRACTION of the grid side")
-    sample.add_argument("--mask-seed", type=int, default=0)
+    mask.add_argument("--mask", metavar="JSON", help='a mask specification as /embed takes, e.g. \'{"keep_idx": [0, 5]}\'')
+    sample.add_argument("--mask-seed", type=int, default=0, help='with --mask-ratio: the mask {"ratio": R, "seed": S}')
     sample.add_argument("--num-samples", type=int, default=8)
     sample.add_argument("--steps", type=int, help="sampling steps (default: the decoder config's)")
     sample.add_argument("--sampler", choices=("ddim", "ddpm"))
@@ -90,9 +93,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    import torch
-
-    from training.masking import focal_keep_idx, random_keep_idx
+    from msn_core.masks import resolve_mask
+    from visualizer.masks import mask_spec
     from visualizer.pipeline import RCDMPipeline, load_image
     from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
@@ -100,17 +102,17 @@ def _sample(args: argparse.Namespace) -> int:
         pipe = RCDMPipeline.from_dirs(args.bundle, args.decoder, device=args.device, backend=args.backend)
         image = load_image(args.image, min_size=1)
         enc = pipe.encoder
-        if args.focal is not None:
-            if not 0 < args.focal <= 1:
-                raise ValueError("--focal must be in (0, 1]")
-            side = max(1, round(args.focal * enc.grid))
-            keep = focal_keep_idx(enc.grid, enc.grid, side, side)
+        if args.focal is not None and not 0 < args.focal <= 1:
+            raise ValueError("--focal must be in (0, 1]")
+        if args.mask is not None:
+            spec = json.loads(args.mask)
         else:
-            generator = torch.Generator().manual_seed(args.mask_seed)
-            keep = random_keep_idx(1, enc.num_patches, args.mask_ratio, generator=generator)[0]
+            mode = "focal" if args.focal is not None else "random"
+            spec = mask_spec(mode, args.mask_ratio, args.mask_seed, args.focal or 0.0, enc.grid)
+        keep = resolve_mask(spec, enc.grid)
         samples = pipe.sample(image, keep, num_samples=args.num_samples, steps=args.steps,
                               guidance_scale=args.guidance_scale, sampler=args.sampler, seed=args.seed)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError) as exc:  # bad JSON and bad masks are ValueErrors too
         raise SystemExit(f"msn-visualize sample: {exc}") from None
     view = to_hwc(enc.model_view(image)[0])
     row = [view, masked_view(view, bitmap_from_keep_idx(keep, enc.grid))] + [to_hwc(s) for s in samples]

@@ -2,8 +2,9 @@
 
 The encoder is the bundle's torch trunk (``encoder.safetensors``) or its ONNX graph (``model.onnx`` under ONNX
 Runtime); either way the image goes through the bundle's own preprocessing (resize, centre crop, mean/std) and the
-bundle's feature is returned. Masks are kept-patch indices in row-major patch order; a batch may mix samples that
-keep different numbers of patches (padded indices plus ``keep_mask``, which gives the same CLS as unpadded).
+bundle's feature is returned. Masks are kept-patch indices in row-major patch order (:mod:`msn_core.masks`); a
+batch may mix samples that keep different numbers of patches, padded with ``-1`` or marked by ``keep_mask``, which
+gives the same CLS as unpadded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from training.masking import num_kept
+from msn_core.bundle import check_graph_inputs, onnx_feeds
+from msn_core.masks import PAD, num_kept
+from training.masking import as_keep_tensor, encoder_keep_args
 from training.views import eval_transform
 
 __all__ = ["FrozenEncoder", "random_keep", "to_uint8"]
@@ -30,7 +33,8 @@ def random_keep(batch: int, num_patches: int, ratios: Tensor | list[float],
                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
     """Per-sample random masks at per-sample ratios -> ``(keep_idx (B, Kmax), keep_mask (B, Kmax))``.
 
-    Rows keeping fewer than ``Kmax`` patches are padded with index 0 and ``keep_mask`` False.
+    The decoder's training conditioning: drawn from a torch generator, so a resumed run continues its stream. Rows
+    keeping fewer than ``Kmax`` patches are padded with index 0 and ``keep_mask`` False.
     """
     ratios = torch.as_tensor(ratios, dtype=torch.float64).flatten().tolist()
     if len(ratios) != batch:
@@ -49,19 +53,16 @@ class FrozenEncoder:
     """``embed(images_uint8, keep_idx=None, keep_mask=None) -> (B, D)`` float32 features on ``device``."""
 
     def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu"):
-        from training.export import load_bundle
+        from training.export import load_encoder
 
         self.bundle_dir = Path(bundle_dir)
         self.backend, self.device = backend, torch.device(device)
-        encoder, self.meta = load_bundle(self.bundle_dir)
-        self.feature = self.meta.get("feature", "cls_pre_norm")
-        self.model_id = self.meta.get("model_id", self.bundle_dir.name)
-        prep = self.meta["preprocessing"]
-        self.transform = {k: prep[k] for k in ("resize", "crop", "mean", "std")}
-        self.patch_size = int(self.meta["architecture"]["patch_size"])
-        self.grid = int(prep["crop"]) // self.patch_size
-        self.num_patches = self.grid**2
-        self.dim = int(self.meta["architecture"]["embed_dim"])
+        encoder, self.info = load_encoder(self.bundle_dir)
+        self.feature, self.model_id = self.info.feature, self.info.model_id
+        prep = self.info.preprocessing
+        self.transform = {"resize": prep.resize, "crop": prep.crop, "mean": list(prep.mean), "std": list(prep.std)}
+        self.patch_size, self.grid = self.info.patch_size, self.info.grid
+        self.num_patches, self.dim = self.info.num_patches, self.info.embed_dim
         self.encoder = self.session = None
         if backend == "torch":
             self.encoder = encoder.to(self.device).eval().requires_grad_(False)
@@ -72,6 +73,7 @@ class FrozenEncoder:
             self.session = ort.InferenceSession(str(self.bundle_dir / "model.onnx"),
                                                 providers=providers + ["CPUExecutionProvider"])
             self.onnx_inputs = {i.name for i in self.session.get_inputs()}
+            check_graph_inputs(self.onnx_inputs)
         else:
             raise ValueError(f"backend must be 'torch' or 'onnx', got {backend!r}")
 
@@ -90,24 +92,18 @@ class FrozenEncoder:
         return (view * 255).round().to(torch.uint8)
 
     @torch.no_grad()
-    def embed(self, images_uint8: Tensor, keep_idx: Tensor | None = None, keep_mask: Tensor | None = None) -> Tensor:
+    def embed(self, images_uint8: Tensor, keep_idx: Tensor | np.ndarray | None = None,
+              keep_mask: Tensor | None = None) -> Tensor:
+        """``(B, D)`` features; ``keep_idx`` is ``(K,)`` for every image or ``(B, K)``, its padding ``-1`` or
+        ``keep_mask`` False; ``None`` keeps every patch."""
         pixels = self.preprocess(images_uint8)
-        batch = pixels.shape[0]
-        if keep_idx is not None and keep_idx.dim() == 1:
-            keep_idx = keep_idx.expand(batch, -1)
+        keep = as_keep_tensor(np.arange(self.num_patches) if keep_idx is None else keep_idx, pixels.shape[0]).cpu()
+        if keep_mask is not None:
+            keep = torch.where(keep_mask.cpu(), keep, PAD)
         if self.encoder is not None:
-            keep_idx = None if keep_idx is None else keep_idx.to(self.device)
-            keep_mask = None if keep_mask is None else keep_mask.to(self.device)
-            pre, post = self.encoder(pixels.float(), keep_idx, keep_mask)
+            pre, post = self.encoder(pixels.float(), *encoder_keep_args(keep.to(self.device)))
             return (pre if self.feature == "cls_pre_norm" else post).float()
-        if keep_idx is None:
-            keep_idx = torch.arange(self.num_patches).expand(batch, -1)
-        feeds = {"pixel_values": pixels.float().cpu().numpy(), "keep_idx": keep_idx.cpu().numpy().astype(np.int64)}
-        if "keep_mask" in self.onnx_inputs:
-            mask = torch.ones(keep_idx.shape, dtype=torch.bool) if keep_mask is None else keep_mask
-            feeds["keep_mask"] = mask.cpu().numpy()
-        elif keep_mask is not None and not bool(keep_mask.all()):
-            raise ValueError("this bundle's ONNX graph has no keep_mask input: use the torch backend")
+        feeds = onnx_feeds(self.onnx_inputs, pixels.float().cpu().numpy(), keep.numpy())
         return torch.from_numpy(self.session.run(["embedding"], feeds)[0]).to(self.device)
 
     def embed_masked_batch(self, images_uint8: Tensor, *, mask_prob: float, ratio_min: float, ratio_max: float,

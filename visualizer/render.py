@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from training.checkpoint import atomic_write_bytes
+from msn_core.durable import atomic_write
 
 __all__ = ["bitmap_from_keep_idx", "masked_view", "patch_grid_image", "save_grid", "to_hwc", "upscale"]
 
@@ -68,5 +68,5 @@ def save_grid(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, *, 
     for r, row in enumerate(rows):
         for c, image in enumerate(row):
             canvas.paste(Image.fromarray(upscale(image, cell)), (pad + c * (cell + pad), pad + r * (cell + pad)))
-    atomic_write_bytes(path, lambda f: canvas.save(f, format="PNG"))
+    atomic_write(path, lambda f: canvas.save(f, format="PNG"))
     return path

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from training.masking import random_keep_idx
+from msn_core.masks import resolve_mask
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
@@ -60,9 +59,10 @@ def test_client_upload_mask_and_sample(client, sample_png: Path) -> None:
     from gradio_client import handle_file
 
     grid, status = client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, api_name="/load")
-    assert status == "32/64 patches kept" and Image.open(grid).size == (320, 320)
+    assert status == '32/64 patches kept (/embed mask {"ratio": 0.5, "seed": 0})'
+    assert Image.open(grid).size == (320, 320)
     _, status = client.predict(handle_file(str(sample_png)), "focal", 0.5, 0, 0.5, api_name="/mask")
-    assert status == "16/64 patches kept"
+    assert status == '16/64 patches kept (/embed mask {"focal": {"size": 4}})'
     masked, gallery, status = client.predict(handle_file(str(sample_png)), "random", 0.7, 3, 0.5, 3, 2, 1.0, 0,
                                              api_name="/sample")
     assert len(gallery) == 3 and status == "3 samples from 19/64 kept patches"
@@ -107,7 +107,7 @@ def test_browser_click_patches_and_sample(app_url: str, sample_png: Path) -> Non
     from playwright.sync_api import expect, sync_playwright
 
     keep = np.zeros(64, dtype=bool)
-    keep[random_keep_idx(1, 64, 0.5, generator=torch.Generator().manual_seed(0))[0].numpy()] = True
+    keep[resolve_mask({"ratio": 0.5, "seed": 0}, 8)] = True  # the app's random mode at ratio 0.5, seed 0
     clicks = [(0, 0), (3, 5), (7, 7)]  # (row, col) patches to toggle
     expected = int(keep.sum()) + sum(-1 if keep[r * 8 + c] else 1 for r, c in clicks)
     ARTIFACTS.mkdir(exist_ok=True)
