@@ -177,6 +177,13 @@ class BundleInfo:
     grid = property(lambda self: self.architecture.grid)
     num_patches = property(lambda self: self.architecture.num_patches)
 
+    @property
+    def onnx_path(self) -> Path:
+        """``model.onnx`` of the bundle directory this was read from."""
+        if self.path is None:
+            raise BundleError("this BundleInfo was not read from a bundle directory")
+        return self.path / ONNX_FILE
+
     def to_dict(self) -> dict[str, Any]:
         """The ``msn.json`` document."""
         return {"format_version": self.format_version, "model_id": self.model_id,

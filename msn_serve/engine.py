@@ -38,7 +38,7 @@ class Engine:
                  fp16: bool = True, cache_dir: Path | None = None):
         self.info = info
         self._lock = threading.Lock()
-        model_path = info.path / "model.onnx"
+        model_path = info.onnx_path
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # a ViT is a chain: parallel mode only adds overhead
@@ -63,8 +63,8 @@ class Engine:
                             "(install onnxruntime-gpu); falling back to CPU")
         self.model_path = model_path
         self.session = ort.InferenceSession(str(model_path), sess_options=so, providers=providers)
-        if model_path != info.path / "model.onnx" and not self._fp16_close_enough(so):
-            self.model_path = info.path / "model.onnx"
+        if model_path != info.onnx_path and not self._fp16_close_enough(so):
+            self.model_path = info.onnx_path
             self.session = ort.InferenceSession(str(self.model_path), sess_options=so, providers=providers)
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph_inputs(self.input_names, where=str(model_path))
@@ -76,7 +76,7 @@ class Engine:
     def _fp16_close_enough(self, so: ort.SessionOptions, min_cosine: float = 0.999) -> bool:
         """Accuracy gate for the fp16 graph: cosine >= ``min_cosine`` against fp32 on CPU for random inputs."""
         i = self.info
-        ref = ort.InferenceSession(str(i.path / "model.onnx"), sess_options=so, providers=["CPUExecutionProvider"])
+        ref = ort.InferenceSession(str(i.onnx_path), sess_options=so, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         pixels = rng.standard_normal((4, i.in_chans, i.image_size, i.image_size)).astype(np.float32)
         feeds = onnx_feeds({x.name for x in ref.get_inputs()}, pixels, np.tile(np.arange(i.num_patches), (4, 1)))

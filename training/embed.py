@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from msn_core.bundle import load_bundle_info
+from msn_core.bundle import META_FILE, load_bundle_info
 from msn_core.durable import atomic_write, atomic_write_json
 from training.data import IMAGE_EXTENSIONS, ImageFolderDataset, load_image, pil_to_tensor
 from training.distributed import barrier, cleanup, init_distributed
@@ -198,8 +198,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--batch-size and --shard-size must be >= 1, --workers and --threads >= 0")
     if args.device not in ("cpu", "cuda"):
         p.error("--device must be cpu or cuda")
-    if not (args.bundle / "msn.json").is_file():
-        p.error(f"--bundle {args.bundle}: not an msn-export bundle (no msn.json)")
+    if not (args.bundle / META_FILE).is_file():
+        p.error(f"--bundle {args.bundle}: not an msn-export bundle (no {META_FILE})")
     return args
 
 

@@ -42,6 +42,7 @@ from msn_core.bundle import (
     FEATURES,
     FORMAT_VERSION,
     GRAPH_INPUTS,
+    META_FILE,
     ONNX_FILE,
     OUTPUT_NAME,
     WEIGHTS_FILE,
@@ -154,8 +155,8 @@ def export_bundle(
 def _check_replaceable(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "msn.json").is_file():
-        raise ExportError(f"{out_dir} exists and is not an MSN bundle (no msn.json); refusing to replace it")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
+        raise ExportError(f"{out_dir} exists and is not an MSN bundle (no {META_FILE}); refusing to replace it")
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ class FrozenEncoder:
             import onnxruntime as ort
 
             providers = ["CUDAExecutionProvider"] if self.device.type == "cuda" else []
-            self.session = ort.InferenceSession(str(self.bundle_dir / "model.onnx"),
+            self.session = ort.InferenceSession(str(self.info.onnx_path),
                                                 providers=providers + ["CPUExecutionProvider"])
             self.onnx_inputs = {i.name for i in self.session.get_inputs()}
             check_graph_inputs(self.onnx_inputs)

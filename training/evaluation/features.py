@@ -23,7 +23,14 @@ import torch
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
-from msn_core.bundle import FEATURES, Preprocessing, check_graph_inputs, load_bundle_info, onnx_feeds
+from msn_core.bundle import (
+    FEATURES,
+    ONNX_FILE,
+    Preprocessing,
+    check_graph_inputs,
+    load_bundle_info,
+    onnx_feeds,
+)
 from msn_core.durable import atomic_write
 from msn_core.masks import random_keep
 from training.data import collate_views
@@ -67,7 +74,7 @@ class OnnxEmbedder:
                  providers: Sequence[str] | None = None, intra_op_threads: int = 0) -> None:
         import onnxruntime as ort
 
-        info = load_bundle_info(bundle_dir, need=("model.onnx",))
+        info = load_bundle_info(bundle_dir, need=(ONNX_FILE,))
         self.feature = info.feature
         if feature is not None and feature != self.feature:
             raise ValueError(f"the bundle's ONNX model outputs {self.feature!r}, not {feature!r}; "
@@ -75,7 +82,7 @@ class OnnxEmbedder:
         self.patch_size = info.patch_size
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads  # 0 = ORT's default; set it when ranks share cores
-        self.session = ort.InferenceSession(str(Path(bundle_dir) / "model.onnx"), sess_options=options,
+        self.session = ort.InferenceSession(str(info.onnx_path), sess_options=options,
                                             providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph_inputs(self.input_names)
