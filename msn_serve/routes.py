@@ -77,7 +77,6 @@ async def embed(request: Request) -> JSONResponse:
 
 
 # ---- few-shot classifiers ---------------------------------------------------------------------------------------
-
 @router.post("/fewshot/fit", status_code=201, tags=["few-shot"], openapi_extra=_doc({
     "name": ({"type": "string"}, "classifier name"),
     "labels": ({"type": "array", "items": {"type": "string"}}, "one label per image/embedding"),
