@@ -50,14 +50,28 @@ class DataConfig:
 
 @dataclass
 class MaskConfig:
+    """The geometry of MSN's views: the patch-dropped anchor and the small focal crops ("focal masks")."""
+
     ratio: float = 0.15  # fraction of the anchor view's patches dropped (official `patch_drop`)
     shared: bool = True  # one permutation for the whole batch (official) or one per sample
     num_focal: int = 10
     focal_size: int = 96
     rand_crop_scale: list[float] = field(default_factory=lambda: [0.3, 1.0])
     focal_crop_scale: list[float] = field(default_factory=lambda: [0.05, 0.3])
-    color_jitter_strength: float = 0.5
     share_target_view: bool = False  # ablation: the anchor is a masked copy of the target view itself
+
+
+@dataclass
+class AugmentConfig:
+    """Photometric augmentation and flips, applied to every view; defaults are the official (SimCLR) recipe."""
+
+    color_jitter_strength: float = 0.5  # s: brightness, contrast, saturation 0.8 s, hue 0.2 s
+    color_jitter_p: float = 0.8
+    grayscale_p: float = 0.2
+    blur_p: float = 0.5
+    blur_sigma: list[float] = field(default_factory=lambda: [0.1, 2.0])  # pixels of the view
+    flip_p: float = 0.5
+    solarize_p: float = 0.0  # not in the official MSN; BYOL applies it to one view
 
 
 @dataclass
@@ -75,7 +89,9 @@ class LossConfig:
 @dataclass
 class OptimConfig:
     epochs: int = 800
-    warmup_epochs: float = 15
+    warmup_epochs: float = 15  # with total_steps or budget_minutes: the same fraction (warmup / epochs) of the run
+    total_steps: int | None = None  # schedule length in optimiser steps, instead of epochs
+    budget_minutes: float | None = None  # schedule length from a wall-clock budget: see training/budget.py
     start_lr: float = 2e-4
     lr: float = 1e-3
     final_lr: float = 1e-6
@@ -107,6 +123,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mask: MaskConfig = field(default_factory=MaskConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -142,9 +159,25 @@ def read_raw_config(path: str | Path | None, overrides: list[str] | None) -> dic
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Rebuild a Config from ``Config.to_dict()`` output (e.g. the copy stored in a checkpoint)."""
-    cfg = build_dataclass(Config, raw)
+    cfg = build_dataclass(Config, _migrate(raw))
     validate(cfg)
     return cfg
+
+
+# Keys that moved; files and checkpoints written before the move still load.
+_MOVED_KEYS = {("mask", "color_jitter_strength"): ("augment", "color_jitter_strength")}
+
+
+def _migrate(raw: dict[str, Any]) -> dict[str, Any]:
+    raw = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
+    for (old_section, old_key), (new_section, new_key) in _MOVED_KEYS.items():
+        section = raw.get(old_section)
+        if isinstance(section, dict) and old_key in section:
+            value = section.pop(old_key)
+            target = raw.setdefault(new_section, {})
+            if isinstance(target, dict):
+                target.setdefault(new_key, value)
+    return raw
 
 
 def validate(cfg: Config) -> None:
@@ -168,6 +201,21 @@ def validate(cfg: Config) -> None:
         lo_hi = getattr(mask, name)
         if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] <= 1:
             raise ConfigError(f"mask.{name}={lo_hi} must be [low, high] with 0 < low <= high <= 1")
+    aug = cfg.augment
+    for name in ("color_jitter_p", "grayscale_p", "blur_p", "flip_p", "solarize_p"):
+        if not 0.0 <= getattr(aug, name) <= 1.0:
+            raise ConfigError(f"augment.{name}={getattr(aug, name)} must be a probability in [0, 1]")
+    if len(aug.blur_sigma) != 2 or not 0 < aug.blur_sigma[0] <= aug.blur_sigma[1]:
+        raise ConfigError(f"augment.blur_sigma={aug.blur_sigma} must be [low, high] with 0 < low <= high")
+    optim = cfg.optim
+    if optim.total_steps is not None and optim.budget_minutes is not None:
+        raise ConfigError("set optim.total_steps or optim.budget_minutes, not both")
+    if optim.total_steps is not None and optim.total_steps < 1:
+        raise ConfigError(f"optim.total_steps={optim.total_steps} must be at least 1")
+    if optim.budget_minutes is not None and not optim.budget_minutes > 0:
+        raise ConfigError(f"optim.budget_minutes={optim.budget_minutes} must be positive")
+    if optim.warmup_epochs < 0 or optim.epochs < 1:
+        raise ConfigError(f"optim.epochs={optim.epochs} must be >= 1 and optim.warmup_epochs >= 0")
     if data.batch_size < 2:
         raise ConfigError("data.batch_size must be at least 2 (batch norm in the projection head)")
 

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from training.checkpoint import file_sha256
+from training.state import target_encoder_weights
 from training.vit import (
     ARCHS,
     VisionTransformer,
@@ -330,16 +331,17 @@ def encoder_from_training_checkpoint(path: str | Path) -> tuple[VisionTransforme
     """Target encoder of one of our training checkpoints, plus info (arch, preprocessing, config, sha256, ...)."""
     path = _require_file(Path(path), "checkpoint")
     checkpoint = _torch_load(path)
-    missing = [key for key in ("target_encoder", "encoder_kwargs") if key not in checkpoint]
-    if missing:
-        raise ValueError(
-            f"{path} is not an MSN training checkpoint (no {', '.join(missing)}; has {_preview(checkpoint)}); "
-            "for facebookresearch/msn files use --from-official"
-        )
-    encoder = VisionTransformer(**dict(checkpoint["encoder_kwargs"]))
-    state = _strip_prefix(_strip_prefix(checkpoint["target_encoder"], "module."), "_orig_mod.")
+    try:
+        weights, kwargs = target_encoder_weights(checkpoint)
+    except KeyError as error:
+        raise ValueError(f"{path}: {error.args[0]} (has {_preview(checkpoint)}); "
+                         "for facebookresearch/msn files use --from-official") from None
+    encoder = VisionTransformer(**dict(kwargs))
+    state = _strip_prefix(_strip_prefix(weights, "module."), "_orig_mod.")
     load_trunk(encoder, state, f"{path} target_encoder")
     training = {key: checkpoint.get(key) for key in ("step", "epoch", "config")}
+    if checkpoint.get("total_steps") is not None:  # the schedule's length (budget and step-count runs)
+        training["total_steps"] = checkpoint["total_steps"]
     info = {
         "kind": "training",
         "path": path.name,

@@ -15,7 +15,9 @@ from torch import Tensor
 
 __all__ = [
     "DistInfo",
+    "all_gather_object",
     "all_reduce_mean",
+    "all_reduce_min_int",
     "all_reduce_sum_",
     "barrier",
     "cleanup",
@@ -24,6 +26,7 @@ __all__ = [
     "init_distributed",
     "is_distributed",
     "is_main_process",
+    "synchronize",
 ]
 
 
@@ -151,3 +154,14 @@ def all_gather_object(obj: object) -> list:
     gathered: list = [None] * get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def all_reduce_min_int(value: int) -> int:
+    """The smallest of every rank's ``value`` (e.g. a step count each rank derived from its own timing)."""
+    return min(all_gather_object(int(value)))
+
+
+def synchronize() -> None:
+    """Wait for this process's queued GPU work (a no-op on CPU), so host clocks time what ran."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

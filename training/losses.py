@@ -17,6 +17,7 @@ Differences from the official code, all value-preserving where the official code
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from training.distributed import all_reduce_mean, all_reduce_sum_
 
-__all__ = ["MSNLoss", "sharpen", "sinkhorn"]
+__all__ = ["LossTerms", "MSNLoss", "sharpen", "sinkhorn"]
 
 
 def sharpen(p: Tensor, temperature: float) -> Tensor:
@@ -61,13 +62,49 @@ def sinkhorn(scores: Tensor, iterations: int = 3) -> Tensor:
     return q.t()
 
 
+@dataclass(frozen=True)
+class LossTerms:
+    """The detached parts of one loss evaluation, kept as tensors so that logging costs nothing between logs.
+
+    ``me_max`` is over the global batch, the other terms over this rank's batch (as the official logs).
+    """
+
+    cross_entropy: Tensor
+    me_max: Tensor
+    entropy: Tensor
+    target_probs: Tensor  # (B, K) sharpened (and balanced) targets
+
+    @torch.no_grad()
+    def summary(self) -> dict[str, float]:
+        """The logged statistics, with one device sync for all of them.
+
+        ``prototype_usage_entropy``: entropy of the mean anchor prediction (log K when every prototype is used
+        evenly); ``num_used_prototypes``: prototypes that are some target's argmax; ``target_max_prob``: how
+        sharp the targets are (Sinkhorn caps it near B / K when the batch B is smaller than K).
+        """
+        probs = self.target_probs
+        num_prototypes = probs.shape[1]
+        used = torch.zeros(num_prototypes, dtype=torch.bool, device=probs.device)
+        used[probs.argmax(dim=1)] = True  # no host sync, unlike unique()
+        values = {
+            "cross_entropy": self.cross_entropy,
+            "me_max": self.me_max,
+            "entropy": self.entropy,
+            "prototype_usage_entropy": math.log(num_prototypes) - self.me_max,
+            "target_entropy": -torch.special.xlogy(probs, probs).sum(dim=1).mean(),
+            "num_used_prototypes": used.sum().to(probs.dtype),
+            "target_max_prob": probs.max(dim=1).values.mean(),
+        }
+        return dict(zip(values, torch.stack(list(values.values())).tolist()))
+
+
 class MSNLoss(nn.Module):
     """MSN cross-entropy + me-max loss.
 
     Args:
         temperature: softmax temperature on cosine similarities to the prototypes (official ``tau`` 0.1).
-        sharpen_temperature: target sharpening temperature T (official 0.25). A plain attribute: a schedule may
-            change it between steps.
+        sharpen_temperature: default target sharpening temperature T (official 0.25); ``forward`` takes the value
+            of a schedule per call.
         me_max_weight: weight of the mean-entropy-maximisation regulariser (official ``memax_weight`` 1.0).
         use_sinkhorn: balance the targets with distributed Sinkhorn (official ``use_sinkhorn: true``).
         sinkhorn_iterations: Sinkhorn iterations (official 3).
@@ -127,21 +164,23 @@ class MSNLoss(nn.Module):
             logp = torch.logaddexp(logp + math.log1p(-s), torch.full_like(logp, math.log(s / k)))
         return logp
 
-    def forward(self, anchor: Tensor, target: Tensor, prototypes: Tensor) -> tuple[Tensor, dict[str, float]]:
+    def forward(self, anchor: Tensor, target: Tensor, prototypes: Tensor,
+                sharpen_temperature: float | None = None) -> tuple[Tensor, LossTerms]:
         """Compute the loss.
 
         Args:
             anchor: (M * B, d) anchor embeddings, view-major (view 0 of every image, then view 1, ...).
             target: (B, d) target embeddings; no gradient flows into them.
             prototypes: (K, d) prototype parameter (normalised here, never in place).
+            sharpen_temperature: this step's target sharpening temperature (a schedule's value); None uses the
+                constructor's.
 
         Returns:
-            The scalar loss ``ce + me_max_weight * me_max + entropy_weight * entropy`` and a dict of float stats
-            (``cross_entropy``, ``me_max``, ``entropy``, ``prototype_usage_entropy``, ``target_entropy``,
-            ``num_used_prototypes``, ``target_max_prob``). ``me_max`` and ``prototype_usage_entropy`` are over
-            the global batch, the other stats over this rank's batch (as the official logs).
+            The scalar loss ``ce + me_max_weight * me_max + entropy_weight * entropy`` and its detached terms
+            (``LossTerms.summary()`` turns them into logged floats with one device sync).
         """
-        self._check_inputs(anchor, target, prototypes)
+        temperature = self.sharpen_temperature if sharpen_temperature is None else sharpen_temperature
+        self._check_inputs(anchor, target, prototypes, temperature)
         dtype = torch.promote_types(anchor.dtype, torch.float32)
         anchor, prototypes = anchor.to(dtype), prototypes.to(dtype)
         target = target.detach().to(dtype)
@@ -151,7 +190,7 @@ class MSNLoss(nn.Module):
         prototypes = F.normalize(prototypes, dim=1)
         anchor_logp = self.log_probs(anchor, prototypes)
         with torch.no_grad():
-            target_probs = torch.softmax(self.log_probs(target, prototypes) / self.sharpen_temperature, dim=1)
+            target_probs = torch.softmax(self.log_probs(target, prototypes) / temperature, dim=1)
             if self.use_sinkhorn:
                 target_probs = sinkhorn(target_probs, self.sinkhorn_iterations)
             targets = target_probs.repeat(num_views, 1)  # view-major, like the anchors
@@ -170,36 +209,11 @@ class MSNLoss(nn.Module):
             loss = loss + self.me_max_weight * me_max
         if self.entropy_weight != 0:
             loss = loss + self.entropy_weight * entropy
+        return loss, LossTerms(cross_entropy.detach(), me_max.detach(), entropy.detach(), target_probs)
 
-        with torch.no_grad():
-            target_entropy = -torch.special.xlogy(target_probs, target_probs).sum(dim=1).mean()
-            used = torch.zeros(num_prototypes, dtype=torch.bool, device=anchor.device)
-            used[target_probs.argmax(dim=1)] = True  # no host sync, unlike unique()
-            values = torch.stack(
-                [
-                    cross_entropy,
-                    me_max,
-                    entropy,
-                    math.log(num_prototypes) - me_max,
-                    target_entropy,
-                    used.sum().to(dtype),
-                    target_probs.max(dim=1).values.mean(),
-                ]
-            ).tolist()  # one device sync for all stats
-        names = (
-            "cross_entropy",
-            "me_max",
-            "entropy",
-            "prototype_usage_entropy",
-            "target_entropy",
-            "num_used_prototypes",
-            "target_max_prob",
-        )
-        return loss, dict(zip(names, values))
-
-    def _check_inputs(self, anchor: Tensor, target: Tensor, prototypes: Tensor) -> None:
-        if not self.sharpen_temperature > 0:
-            raise ValueError(f"sharpen_temperature must be > 0, got {self.sharpen_temperature}")
+    def _check_inputs(self, anchor: Tensor, target: Tensor, prototypes: Tensor, sharpen_temperature: float) -> None:
+        if not sharpen_temperature > 0:
+            raise ValueError(f"sharpen_temperature must be > 0, got {sharpen_temperature}")
         for name, x in (("anchor", anchor), ("target", target), ("prototypes", prototypes)):
             if x.ndim != 2:
                 raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")

@@ -86,9 +86,19 @@ def parameter_groups(online: MSNOnline) -> list[dict]:
 
 
 @torch.no_grad()
-def ema_update(target: nn.Module, online: nn.Module, momentum: float) -> None:
-    """target = m * target + (1 - m) * online, over parameters only (as the official code)."""
-    target_params = list(target.parameters())
-    online_params = [p.detach() for p in online.parameters()]
-    torch._foreach_mul_(target_params, momentum)
-    torch._foreach_add_(target_params, online_params, alpha=1.0 - momentum)
+def ema_update(ema: nn.Module, model: nn.Module, momentum: float, *, copy_buffers: bool) -> None:
+    """``ema = momentum * ema + (1 - momentum) * model`` over parameters; buffers by an explicit policy.
+
+    ``copy_buffers=False`` leaves the EMA copy's buffers alone: MSN's target head runs BatchNorm in train mode
+    (batch statistics), so its running statistics are never read, and the official code averages parameters
+    only. ``copy_buffers=True`` copies them from ``model``, for an EMA that is evaluated (the RCDM decoder).
+    """
+    ema_params = list(ema.parameters())
+    model_params = [p.detach() for p in model.parameters()]
+    if len(ema_params) != len(model_params):
+        raise ValueError(f"EMA copy has {len(ema_params)} parameters, the model {len(model_params)}")
+    torch._foreach_mul_(ema_params, momentum)
+    torch._foreach_add_(ema_params, model_params, alpha=1.0 - momentum)
+    if copy_buffers:
+        for ema_buffer, buffer in zip(ema.buffers(), model.buffers(), strict=True):
+            ema_buffer.copy_(buffer)

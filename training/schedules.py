@@ -4,9 +4,11 @@ The official code keeps these as stateful objects and generators that are steppe
 fast-forwarded on resume. Here each is a pure function of the 0-based global iteration ``step``, so a resumed run
 reproduces the official values exactly, from any step (not only epoch boundaries).
 
-All four schedules span a horizon of ``T = int(horizon_scale * epochs * steps_per_epoch)`` iterations. The official
-run uses ``horizon_scale = 1.25``, so training stops at 80 % of every schedule: for ViT-S/16 (800 epochs) the last
-learning rate is about 9.9e-5, not ``final_lr``, and the weight decay ends near 0.366, not 0.4.
+A run trains ``total_steps`` iterations (``epochs * steps_per_epoch`` in the official code; here also a step count
+or a wall-clock budget, ``training/budget.py``). All four schedules span a horizon of
+``T = int(horizon_scale * total_steps)`` iterations. The official run uses ``horizon_scale = 1.25``, so training
+stops at 80 % of every schedule: for ViT-S/16 (800 epochs) the last learning rate is about 9.9e-5, not ``final_lr``,
+and the weight decay ends near 0.366, not 0.4. ``horizon_scale = 1`` ends every schedule on the last step.
 
 Step semantics (what the official loop actually applies at 0-based iteration ``i``):
 
@@ -32,13 +34,12 @@ __all__ = ["Schedules"]
 class Schedules:
     """Per-iteration hyper-parameters. ``ref_lr`` / ``ref_weight_decay`` are the config's ``lr`` / ``weight_decay``.
 
-    Official ViT-S/16 values: ``warmup_epochs=15, start_lr=2e-4, ref_lr=1e-3, final_lr=1e-6,
+    Official ViT-S/16 values (``from_epochs``): ``warmup_epochs=15, start_lr=2e-4, ref_lr=1e-3, final_lr=1e-6,
     ref_weight_decay=0.04, final_weight_decay=0.4, ema_start=0.996, ema_end=1.0``.
     """
 
-    steps_per_epoch: int
-    epochs: int
-    warmup_epochs: float
+    total_steps: int
+    warmup_steps: int
     start_lr: float
     ref_lr: float
     final_lr: float
@@ -50,13 +51,20 @@ class Schedules:
     sharpen_start: float = 0.25
     sharpen_end: float = 0.25
 
+    @classmethod
+    def from_epochs(cls, steps_per_epoch: int, epochs: int, warmup_epochs: float, **kwargs) -> Schedules:
+        """The official parametrisation: ``epochs`` of ``steps_per_epoch``, warm-up ``int(warmup_epochs * spe)``."""
+        if steps_per_epoch < 1 or epochs < 1:
+            raise ValueError(f"steps_per_epoch and epochs must be >= 1, got {steps_per_epoch}, {epochs}")
+        if warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}")
+        return cls(epochs * steps_per_epoch, int(warmup_epochs * steps_per_epoch), **kwargs)
+
     def __post_init__(self) -> None:
-        if self.steps_per_epoch < 1 or self.epochs < 1:
-            raise ValueError(
-                f"steps_per_epoch and epochs must be >= 1, got {self.steps_per_epoch}, {self.epochs}"
-            )
-        if self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.horizon_scale > 0:
             raise ValueError(f"horizon_scale must be > 0, got {self.horizon_scale}")
         if not (self.sharpen_start > 0 and self.sharpen_end > 0):
@@ -65,18 +73,9 @@ class Schedules:
             )
 
     @property
-    def total_steps(self) -> int:
-        """Iterations actually trained: ``epochs * steps_per_epoch``."""
-        return self.epochs * self.steps_per_epoch
-
-    @property
     def horizon(self) -> int:
-        """Schedule length T (official ``T_max``): ``int(horizon_scale * epochs * steps_per_epoch)``."""
-        return int(self.horizon_scale * self.epochs * self.steps_per_epoch)
-
-    @property
-    def warmup_steps(self) -> int:
-        return int(self.warmup_epochs * self.steps_per_epoch)
+        """Schedule length T (official ``T_max``): ``int(horizon_scale * total_steps)``."""
+        return int(self.horizon_scale * self.total_steps)
 
     def lr(self, step: int) -> float:
         """Learning rate used at 0-based iteration ``step``: linear warmup, then cosine toward ``final_lr``.
@@ -111,5 +110,5 @@ class Schedules:
 
     def _linear(self, start: float, end: float, step: int) -> float:
         # The official generators divide by the unrounded horizon (ipe * epochs * 1.25), not by int(...).
-        increment = (end - start) / (self.steps_per_epoch * self.epochs * self.horizon_scale)
+        increment = (end - start) / (self.total_steps * self.horizon_scale)
         return start + increment * min(step, self.horizon)

@@ -1,8 +1,10 @@
 """MSN multi-view augmentation, batched on the training device with kornia, and the evaluation preprocessing.
 
-Every view follows the official (SimCLR) recipe: RandomResizedCrop (ratio 3/4-4/3), horizontal flip, colour jitter
-(0.8s, 0.8s, 0.8s, 0.2s) with p=0.8, grayscale with p=0.2, Gaussian blur with p=0.5 and sigma U[0.1, 2.0],
-normalisation. Random parameters are independent per sample and per view.
+Every view follows the official (SimCLR) recipe by default: RandomResizedCrop (ratio 3/4-4/3), horizontal flip,
+colour jitter (0.8s, 0.8s, 0.8s, 0.2s) with p=0.8, grayscale with p=0.2, Gaussian blur with p=0.5 and sigma
+U[0.1, 2.0] pixels, normalisation; optionally solarisation. Every probability and range is a knob
+(``training.config.AugmentConfig``): the official values are sized for 224 px views, where a 2 px blur is mild;
+on 28 px images it erases most of the detail. Random parameters are independent per sample and per view.
 
 Each view group is one kornia call over a repeated batch (2B for target+anchor, ``num_focal``*B for the focal views),
 so the cost is a handful of batched kernels whatever the batch size. Crops use ``cropping_mode="resample"`` (one
@@ -28,18 +30,25 @@ def blur_kernel_size(view_size: int) -> int:
     return size if size % 2 == 1 else size + 1
 
 
-def _view_pipeline(size: int, crop_scale: Sequence[float], *, color_jitter_strength: float, grayscale_p: float,
-                   blur_p: float, blur_sigma: Sequence[float], flip_p: float, mean: Sequence[float],
-                   std: Sequence[float]) -> K.AugmentationSequential:
+def _view_pipeline(size: int, crop_scale: Sequence[float], *, color_jitter_strength: float, color_jitter_p: float,
+                   grayscale_p: float, blur_p: float, blur_sigma: Sequence[float], flip_p: float, solarize_p: float,
+                   mean: Sequence[float], std: Sequence[float]) -> K.AugmentationSequential:
     s = color_jitter_strength
-    return K.AugmentationSequential(
-        K.RandomResizedCrop((size, size), scale=tuple(crop_scale), ratio=(3 / 4, 4 / 3), cropping_mode="resample"),
-        K.RandomHorizontalFlip(p=flip_p),
-        K.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s, p=0.8),
-        K.RandomGrayscale(p=grayscale_p),
-        K.RandomGaussianBlur(blur_kernel_size(size), tuple(blur_sigma), p=blur_p),
-        K.Normalize(mean=torch.tensor(mean), std=torch.tensor(std)),
-    )
+    steps: list[nn.Module] = [
+        K.RandomResizedCrop((size, size), scale=tuple(crop_scale), ratio=(3 / 4, 4 / 3), cropping_mode="resample")
+    ]
+    if flip_p > 0:
+        steps.append(K.RandomHorizontalFlip(p=flip_p))
+    if color_jitter_p > 0 and s > 0:
+        steps.append(K.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s, p=color_jitter_p))
+    if grayscale_p > 0:
+        steps.append(K.RandomGrayscale(p=grayscale_p))
+    if blur_p > 0:
+        steps.append(K.RandomGaussianBlur(blur_kernel_size(size), tuple(blur_sigma), p=blur_p))
+    if solarize_p > 0:
+        steps.append(K.RandomSolarize(thresholds=0.0, additions=0.0, p=solarize_p))  # invert pixels >= 0.5
+    steps.append(K.Normalize(mean=torch.tensor(mean), std=torch.tensor(std)))
+    return K.AugmentationSequential(*steps)
 
 
 class MultiViewAugment(nn.Module):
@@ -52,16 +61,17 @@ class MultiViewAugment(nn.Module):
 
     def __init__(self, *, rand_size: int, focal_size: int, num_focal: int,
                  rand_crop_scale: Sequence[float] = (0.3, 1.0), focal_crop_scale: Sequence[float] = (0.05, 0.3),
-                 color_jitter_strength: float = 0.5, grayscale_p: float = 0.2, blur_p: float = 0.5,
-                 blur_sigma: Sequence[float] = (0.1, 2.0), flip_p: float = 0.5,
-                 mean: Sequence[float], std: Sequence[float]) -> None:
+                 color_jitter_strength: float = 0.5, color_jitter_p: float = 0.8, grayscale_p: float = 0.2,
+                 blur_p: float = 0.5, blur_sigma: Sequence[float] = (0.1, 2.0), flip_p: float = 0.5,
+                 solarize_p: float = 0.0, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         if num_focal < 0:
             raise ValueError(f"num_focal must be >= 0, got {num_focal}")
         if len(mean) != 3 or len(std) != 3:
             raise ValueError("mean and std need one value per RGB channel")
-        pipeline = partial(_view_pipeline, color_jitter_strength=color_jitter_strength, grayscale_p=grayscale_p,
-                           blur_p=blur_p, blur_sigma=blur_sigma, flip_p=flip_p, mean=mean, std=std)
+        pipeline = partial(_view_pipeline, color_jitter_strength=color_jitter_strength,
+                           color_jitter_p=color_jitter_p, grayscale_p=grayscale_p, blur_p=blur_p,
+                           blur_sigma=blur_sigma, flip_p=flip_p, solarize_p=solarize_p, mean=mean, std=std)
         self.num_focal = num_focal
         self.focal_size = focal_size
         self.rand_views = pipeline(rand_size, rand_crop_scale)

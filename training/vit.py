@@ -222,7 +222,7 @@ class VisionTransformer(nn.Module):
         stored = (self.grid_size, self.grid_size)
         return interpolate_patch_pos_embed(self.pos_embed[:, 1:], stored, (grid_h, grid_w))
 
-    def embed(self, images: Tensor, keep_idx: Tensor | None = None) -> Tensor:
+    def prepare_tokens(self, images: Tensor, keep_idx: Tensor | None = None) -> Tensor:
         """Tokens entering the first block: CLS then the kept patches, positions added before dropping."""
         grid_h, grid_w = self.patch_grid(images.shape[-2], images.shape[-1])
         patches = self.patch_embed(images) + self.patch_pos_embed(grid_h, grid_w)
@@ -240,7 +240,7 @@ class VisionTransformer(nn.Module):
         ``keep_idx`` (B, K) int64: kept patches, row-major in the grid of ``images``.
         ``keep_mask`` (B, K) bool: False marks padding, which no token attends to.
         """
-        tokens = self.embed(images, keep_idx)
+        tokens = self.prepare_tokens(images, keep_idx)
         attn_mask = None
         if keep_mask is not None:
             if keep_mask.shape != tokens.shape[:1] + (tokens.shape[1] - 1,):

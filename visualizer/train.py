@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from training import distributed as dist
-from training.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from training.data import build_dataset, build_loader
+from training.msn import ema_update
+from training.state import Progress, batches_from, restore_progress, save_progress
 from training.views import eval_transform
 from visualizer.config import RCDMConfig, dump_config
 from visualizer.decoder import RCDMDecoder
@@ -35,7 +36,7 @@ from visualizer.features import FrozenEncoder, random_keep, to_uint8
 from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
-__all__ = ["decoder_targets", "ema_update", "train"]
+__all__ = ["decoder_targets", "train"]
 
 log = logging.getLogger("msn.visualize")
 
@@ -45,14 +46,6 @@ def decoder_targets(images_uint8: torch.Tensor, size: int, channels: int = 3) ->
     keeps the luminance mean of the RGB channels."""
     targets = eval_transform(images_uint8, resize=size, crop=size, mean=[0.5] * 3, std=[0.5] * 3)
     return targets.mean(dim=1, keepdim=True) if channels == 1 else targets
-
-
-@torch.no_grad()
-def ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
-    for e, p in zip(ema.parameters(), model.parameters(), strict=True):
-        e.lerp_(p.detach(), 1.0 - decay)
-    for e, b in zip(ema.buffers(), model.buffers(), strict=True):
-        e.copy_(b)
 
 
 def _grid_batch(cfg: RCDMConfig, load_size: int) -> torch.Tensor:
@@ -116,7 +109,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
     optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 
-    step = epoch = batch_in_epoch = 0
+    progress = Progress()
     if resume and checkpoint_path.exists():
         state = load_run(checkpoint_path)
         if state["bundle"]["model_id"] != encoder.model_id:
@@ -125,13 +118,9 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         decoder.load_state_dict(state["decoder"])
         ema.load_state_dict(state["ema"])
         optimizer.load_state_dict(state["optimizer"])
-        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        if state["world_size"] == info.world_size and state["steps_per_epoch"] == steps_per_epoch:
-            restore_rng_state(state["rng"][info.rank], mask_generator)
-        else:
-            log.warning("resuming with another world size or batch size: continuing, but not bit-exactly")
-            torch.manual_seed(cfg.run.seed + info.rank + step)
-        log.info("resumed from %s at step %d", checkpoint_path, step)
+        progress = restore_progress(state, steps_per_epoch=steps_per_epoch, info=info,
+                                    mask_generator=mask_generator, seed=cfg.run.seed)
+        log.info("resumed from %s at step %d", checkpoint_path, progress.step)
 
     model: nn.Module = decoder
     if info.world_size > 1:
@@ -140,7 +129,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
     grid_images = _grid_batch(cfg, load_size) if is_main else None
     total = cfg.optim.max_steps
-    bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True,
+    bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True,
                disable=not (is_main and cfg.run.progress_bar))
     if is_main:
         params = sum(p.numel() for p in decoder.parameters()) / 1e6
@@ -148,60 +137,53 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                   f"world size {info.world_size}, device {device}, conditioning on {encoder.model_id}")
 
     def save() -> None:
-        rng = dist.all_gather_object(capture_rng_state(mask_generator))
-        if is_main:
-            state = {"config": cfg.to_dict(),
-                     "cond_dim": encoder.dim, "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
-                     "decoder": decoder.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict(),
-                     "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                     "steps_per_epoch": steps_per_epoch, "world_size": info.world_size, "rng": rng}
-            save_checkpoint(checkpoint_path, state, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
+        payload = {"config": cfg.to_dict(), "cond_dim": encoder.dim,
+                   "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
+                   "decoder": decoder.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict()}
+        save_progress(checkpoint_path, payload, progress, steps_per_epoch=steps_per_epoch, info=info,
+                      mask_generator=mask_generator, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
 
-    record: dict = {"step": step}  # returned as is when a resumed run has nothing left to do
-    while step < total:
-        sampler.set_epoch(epoch)
-        sampler.set_start_index(batch_in_epoch * cfg.data.batch_size)
-        for images, _labels, _skipped in loader:
-            if cfg.data.hflip:
-                flip = torch.rand(images.shape[0]) < 0.5
-                images = torch.where(flip[:, None, None, None], images.flip(-1), images)
-            feat = encoder.embed_masked_batch(images, mask_prob=cfg.cond.mask_prob, ratio_min=cfg.cond.mask_ratio_min,
-                                              ratio_max=cfg.cond.mask_ratio_max, generator=mask_generator)
-            x0 = decoder_targets(images, cfg.model.image_size, cfg.model.channels).to(device, non_blocking=True)
-            drop = None
-            if cfg.diffusion.cond_drop_prob > 0:
-                drop = (torch.rand(images.shape[0]) < cfg.diffusion.cond_drop_prob).to(device)
-            lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with autocast():
-                loss, stats = diffusion.loss(model, x0, feat, drop)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(f"loss is {loss.item()} at step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(decoder.parameters(), cfg.optim.clip_grad)
-            optimizer.step()
-            ema_update(ema, decoder, min(cfg.optim.ema_decay, (1 + step) / (10 + step)))
-            step += 1
-            batch_in_epoch += 1
-            bar.update(1)
-            if batch_in_epoch == steps_per_epoch:
-                epoch, batch_in_epoch = epoch + 1, 0
-            if is_main and (step % cfg.run.log_every_steps == 0 or step == total):
-                record = {"step": step, "epoch": epoch, "loss": loss.item(), **stats, "lr": lr,
-                          "grad_norm": float(grad_norm)}
-                with open(output_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                bar.set_postfix(loss=f"{record['loss']:.4f}")
-            sample_every = cfg.run.sample_every_steps
-            if is_main and ((sample_every and step % sample_every == 0) or step == total):
-                grid = output_dir / "samples" / f"step_{step:06d}.png"
-                write_sample_grid(grid, ema, diffusion, encoder, grid_images, cfg)
-            if step % cfg.run.checkpoint_every_steps == 0 or step == total:
-                save()
-            if step >= total or batch_in_epoch == 0:
-                break
+    record: dict = {"step": progress.step}  # returned as is when a resumed run has nothing left to do
+    batches = batches_from(loader, sampler, progress, cfg.data.batch_size)
+    while progress.step < total:
+        images, _labels, _skipped = next(batches)
+        if cfg.data.hflip:
+            flip = torch.rand(images.shape[0]) < 0.5
+            images = torch.where(flip[:, None, None, None], images.flip(-1), images)
+        feat = encoder.embed_masked_batch(images, mask_prob=cfg.cond.mask_prob, ratio_min=cfg.cond.mask_ratio_min,
+                                          ratio_max=cfg.cond.mask_ratio_max, generator=mask_generator)
+        x0 = decoder_targets(images, cfg.model.image_size, cfg.model.channels).to(device, non_blocking=True)
+        drop = None
+        if cfg.diffusion.cond_drop_prob > 0:
+            drop = (torch.rand(images.shape[0]) < cfg.diffusion.cond_drop_prob).to(device)
+        step = progress.step
+        lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        with autocast():
+            loss, stats = diffusion.loss(model, x0, feat, drop)
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(decoder.parameters(), cfg.optim.clip_grad)
+        optimizer.step()
+        ema_update(ema, decoder, min(cfg.optim.ema_decay, (1 + step) / (10 + step)), copy_buffers=True)
+        progress.advance(steps_per_epoch)
+        step = progress.step
+        bar.update(1)
+        if is_main and (step % cfg.run.log_every_steps == 0 or step == total):
+            record = {"step": step, "epoch": progress.epoch, "loss": loss.item(), **stats, "lr": lr,
+                      "grad_norm": float(grad_norm)}
+            with open(output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{record['loss']:.4f}")
+        sample_every = cfg.run.sample_every_steps
+        if is_main and ((sample_every and step % sample_every == 0) or step == total):
+            grid = output_dir / "samples" / f"step_{step:06d}.png"
+            write_sample_grid(grid, ema, diffusion, encoder, grid_images, cfg)
+        if step % cfg.run.checkpoint_every_steps == 0 or step == total:
+            save()
     bar.close()
     dist.barrier()
     return record

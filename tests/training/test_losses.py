@@ -110,7 +110,7 @@ def test_matches_official_loss_and_gradients(use_sinkhorn, smoothing):
 def test_stats_match_official_logs():
     anchor, target, prototypes = make_inputs()
     _, ploss, rloss, targets = official_loss(anchor, target, prototypes)
-    _, stats = MSNLoss()(anchor, target, prototypes)
+    stats = MSNLoss()(anchor, target, prototypes)[1].summary()
     assert stats["cross_entropy"] == pytest.approx(ploss.item(), rel=1e-12)
     assert stats["me_max"] == pytest.approx(rloss.item(), rel=1e-12)
     assert stats["prototype_usage_entropy"] == pytest.approx(math.log(32) - rloss.item(), rel=1e-12)
@@ -141,17 +141,18 @@ def test_entropy_term_and_weights():
     torch.testing.assert_close(gp, ref_gp, rtol=1e-9, atol=1e-12)
 
     _, ploss, rloss, _ = official_loss(anchor, target, prototypes)
-    loss, stats = MSNLoss(me_max_weight=0.5)(anchor, target, prototypes)
+    loss, terms = MSNLoss(me_max_weight=0.5)(anchor, target, prototypes)
+    stats = terms.summary()
     assert loss.item() == pytest.approx(ploss.item() + 0.5 * rloss.item(), rel=1e-12)
     assert stats["me_max"] == pytest.approx(rloss.item(), rel=1e-12)
 
 
-def test_sharpen_temperature_is_a_live_attribute():
+def test_sharpen_temperature_is_taken_per_call():
     anchor, target, prototypes = make_inputs()
     criterion = MSNLoss()
     before, _ = criterion(anchor, target, prototypes)
-    criterion.sharpen_temperature = 0.5
-    after, _ = criterion(anchor, target, prototypes)
+    after, _ = criterion(anchor, target, prototypes, sharpen_temperature=0.5)
+    assert criterion(anchor, target, prototypes)[0] == before  # the call did not change the default
     assert not torch.isclose(before, after)
     torch.testing.assert_close(after, official_loss(anchor, target, prototypes, T=0.5)[0], rtol=1e-12, atol=0)
 
@@ -170,7 +171,7 @@ def test_no_gradient_into_targets_and_prototypes_not_modified():
 def test_collapsed_targets_are_reported():
     _anchor, target, prototypes = make_inputs()
     same = target[:1].repeat(target.shape[0], 1)
-    _, stats = MSNLoss(use_sinkhorn=False)(same.repeat(3, 1), same, prototypes)
+    stats = MSNLoss(use_sinkhorn=False)(same.repeat(3, 1), same, prototypes)[1].summary()
     assert stats["num_used_prototypes"] == 1
     assert stats["prototype_usage_entropy"] < math.log(32) - 0.5
 
@@ -291,9 +292,8 @@ def test_forward_validation():
         criterion(anchor, target, prototypes[:, :-1])
     with pytest.raises(ValueError, match="2-D"):
         criterion(anchor[None], target, prototypes)
-    criterion.sharpen_temperature = 0.0
     with pytest.raises(ValueError, match="sharpen_temperature"):
-        criterion(anchor, target, prototypes)
+        criterion(anchor, target, prototypes, sharpen_temperature=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,7 +335,8 @@ def _dist_worker(rank: int, port: int, data_path: str, out_dir: str) -> None:
         for use_sinkhorn in (True, False):
             a = local_anchor.clone().requires_grad_(True)
             p = prototypes.clone().requires_grad_(True)
-            loss, stats = MSNLoss(use_sinkhorn=use_sinkhorn, label_smoothing=0.1)(a, local_target, p)
+            loss, terms = MSNLoss(use_sinkhorn=use_sinkhorn, label_smoothing=0.1)(a, local_target, p)
+            stats = terms.summary()
             loss.backward()
             out[use_sinkhorn] = {
                 "loss": loss.detach(),
@@ -393,7 +394,7 @@ def test_two_ranks_match_single_process_on_full_batch(tmp_path):
         single_loss, single_ga, single_gp = grads(
             MSNLoss(use_sinkhorn=use_sinkhorn, label_smoothing=0.1), anchor, target, prototypes
         )
-        _, single_stats = MSNLoss(use_sinkhorn=use_sinkhorn, label_smoothing=0.1)(anchor, target, prototypes)
+        single_stats = MSNLoss(use_sinkhorn=use_sinkhorn, label_smoothing=0.1)(anchor, target, prototypes)[1].summary()
         per_rank = [r[use_sinkhorn] for r in ranks]
         # Equal local batches: the mean of the per-rank losses is the global loss, and me-max is global on each rank.
         torch.testing.assert_close(sum(r["loss"] for r in per_rank) / WORLD, single_loss, rtol=1e-12, atol=0)

@@ -64,7 +64,7 @@ def official_trace(spe: int, epochs: int, warmup: float, horizon_scale: float, s
 @pytest.mark.parametrize("spe,epochs,warmup", [(7, 10, 3), (5, 4, 0), (3, 6, 1.5)])
 def test_matches_official_loop_every_step(spe, epochs, warmup, horizon_scale):
     kw = dict(VITS, warmup_epochs=warmup)
-    s = Schedules(spe, epochs, horizon_scale=horizon_scale, sharpen_start=0.3, sharpen_end=0.2, **kw)
+    s = Schedules.from_epochs(spe, epochs, horizon_scale=horizon_scale, sharpen_start=0.3, sharpen_end=0.2, **kw)
     trace = official_trace(spe, epochs, warmup, horizon_scale, sharpen=(0.3, 0.2), **kw)
     assert len(trace) == s.total_steps
     for step, (lr, wd, m, t) in enumerate(trace):
@@ -76,7 +76,7 @@ def test_matches_official_loop_every_step(spe, epochs, warmup, horizon_scale):
 
 def test_key_steps_closed_form():
     spe, epochs = 10, 20  # horizon 250, warmup 50 (kw warmup_epochs=5)
-    s = Schedules(spe, epochs, **dict(VITS, warmup_epochs=5))
+    s = Schedules.from_epochs(spe, epochs, **dict(VITS, warmup_epochs=5))
     assert (s.horizon, s.warmup_steps, s.total_steps) == (250, 50, 200)
     # step 0 already uses the value after one scheduler.step()
     assert s.lr(0) == pytest.approx(2e-4 + (1 / 50) * 8e-4, rel=1e-12)
@@ -96,7 +96,7 @@ def test_key_steps_closed_form():
 
 
 def test_horizon_one_reaches_final_values_on_last_step():
-    s = Schedules(10, 20, horizon_scale=1.0, **dict(VITS, warmup_epochs=5))
+    s = Schedules.from_epochs(10, 20, horizon_scale=1.0, **dict(VITS, warmup_epochs=5))
     assert s.horizon == s.total_steps == 200
     assert s.lr(199) == pytest.approx(1e-6, rel=1e-9)
     assert s.weight_decay(199) == pytest.approx(0.4, rel=1e-12)
@@ -104,7 +104,7 @@ def test_horizon_one_reaches_final_values_on_last_step():
 
 
 def test_vits_800_epochs_matches_paper_run():
-    s = Schedules(1251, 800, **VITS)  # ImageNet-1k / batch 1024
+    s = Schedules.from_epochs(1251, 800, **VITS)  # ImageNet-1k / batch 1024
     last = s.total_steps - 1
     assert s.lr(last) == pytest.approx(9.9e-5, rel=0.01)
     assert s.weight_decay(last) == pytest.approx(0.366, abs=1e-3)
@@ -116,7 +116,7 @@ def test_vits_800_epochs_matches_paper_run():
 
 
 def test_past_horizon_holds_final_values():
-    s = Schedules(10, 10, horizon_scale=0.5, **dict(VITS, warmup_epochs=1))  # horizon 50, trains 100 steps
+    s = Schedules.from_epochs(10, 10, horizon_scale=0.5, **dict(VITS, warmup_epochs=1))  # horizon 50, trains 100 steps
     assert s.lr(99) == s.lr(49) == pytest.approx(1e-6)
     assert s.weight_decay(99) == pytest.approx(0.4)
     assert s.ema_momentum(99) == s.ema_momentum(50)
@@ -124,7 +124,7 @@ def test_past_horizon_holds_final_values():
 
 
 def test_weight_decay_can_decrease():
-    s = Schedules(10, 10, **dict(VITS, ref_weight_decay=0.4, final_weight_decay=0.04))
+    s = Schedules.from_epochs(10, 10, **dict(VITS, ref_weight_decay=0.4, final_weight_decay=0.04))
     wds = [s.weight_decay(i) for i in range(100)]
     assert all(a >= b for a, b in itertools.pairwise(wds)) and wds[-1] > 0.04
 
@@ -135,5 +135,20 @@ def test_weight_decay_can_decrease():
 )
 def test_validation(override):
     args = {**VITS, "steps_per_epoch": 10, "epochs": 10, **override}
+    with pytest.raises(ValueError):
+        Schedules.from_epochs(**args)
+
+
+def test_step_parametrisation_equals_epochs():
+    by_epochs = Schedules.from_epochs(7, 10, **dict(VITS, warmup_epochs=3))
+    by_steps = Schedules(70, 21, **{k: v for k, v in VITS.items() if k != "warmup_epochs"})
+    assert all(by_epochs.lr(i) == by_steps.lr(i) and by_epochs.ema_momentum(i) == by_steps.ema_momentum(i)
+               for i in range(70))
+
+
+@pytest.mark.parametrize("override", [{"total_steps": 0}, {"warmup_steps": -1}])
+def test_step_validation(override):
+    args = {**{k: v for k, v in VITS.items() if k != "warmup_epochs"}, "total_steps": 10, "warmup_steps": 1,
+            **override}
     with pytest.raises(ValueError):
         Schedules(**args)
