@@ -226,7 +226,7 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
 # ---- (4) FAISS ------------------------------------------------------------------------------------------------------------
 def faiss_bench(n: int, dim: int, queries: int, k: int = 10) -> dict:
     from msn_serve.index_config import recommended_nlist
-    from msn_serve.indexes import IndexStore
+    from msn_serve.index_store import IndexStore
     rng = np.random.default_rng(0)
     # clustered data: recall on pure Gaussian noise says little about real embeddings
     centres = rng.standard_normal((max(16, n // 1000), dim)).astype(np.float32)

@@ -27,7 +27,7 @@ from .engine import Engine
 from .errors import ApiError, check_name, conflict, read_only_replica, unprocessable
 from .fewshot import ClassifierStore, FewShotClassifier
 from .fewshot import fit as fit_classifier
-from .indexes import IndexStore
+from .index_store import IndexStore
 from .inputs import Payload
 from .metrics import Metrics
 from .preprocess import preprocess_bytes
@@ -70,7 +70,8 @@ class Service:
             clean_temp_files(settings.data_dir)
             self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id)
             self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim,
-                                      model_id=self.info.model_id, compact_mb=settings.wal_compact_mb)
+                                      model_id=self.info.model_id, compact_mb=settings.wal_compact_mb,
+                                      metadata_mb=settings.max_index_metadata_mb)
             self.quarantined = self.classifiers.load_all() + self.indexes.load_all()
         self._published_signature: tuple | None = None
         self._admin_lock: asyncio.Lock | None = None
@@ -302,8 +303,8 @@ class Service:
         vecs = await self.vectors(payload, "vectors", idx.cfg.dim if idx is not None else self.info.embed_dim)
         if idx is None:
             idx = await self.run_work(lambda: self.indexes.create(name, {"dim": vecs.shape[1]}, exist_ok=True))
-        added = await self.run_work(idx.add, ids, vecs, metadata)
-        return {"name": name, "added": added, "ntotal": idx.ntotal}
+        out = await self.run_work(idx.add, ids, vecs, metadata)
+        return {"name": name, **out, "ntotal": idx.ntotal}
 
     async def search_index(self, name: str, payload: Payload) -> dict[str, Any]:
         idx = self.indexes.get(check_name(name, "index name"))
