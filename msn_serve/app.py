@@ -5,6 +5,7 @@ errors (reshaped to ``{"error": ..., "detail": [...]}``) — because OIP clients
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -19,7 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import oip, routes
 from .config import Settings
-from .errors import ApiError
+from .errors import ApiError, storage_error
+from .jsonio import StrictJSONResponse
 from .metrics import MetricsMiddleware
 from .service import Service
 
@@ -35,8 +37,12 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
             {"type": "http.response.body", "body": raw}]
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(ApiError):
+    """Raised from ``receive`` while a body streams in: route code lets an ApiError through (a multipart parser
+    included), so a chunked body over the limit is a 413 however it is read."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes (max_body_mb)")
 
 
 class GuardMiddleware:
@@ -63,7 +69,7 @@ class GuardMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             for m in _json(413, {"error": f"request body of {int(length)} bytes exceeds the limit of "
-                                          f"{self.max_body} bytes (--max-body-mb)"}):
+                                          f"{self.max_body} bytes (max_body_mb)"}):
                 await send(m)
             return
         seen = 0
@@ -75,7 +81,7 @@ class GuardMiddleware:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_body:
-                    raise _BodyTooLarge()
+                    raise _BodyTooLarge(self.max_body)
             return msg
 
         async def tracking_send(msg: Message) -> None:
@@ -86,9 +92,9 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
+        except _BodyTooLarge as e:  # read outside a route (no handler on the way)
             if not started:
-                for m in _json(413, {"error": f"request body exceeds the limit of {self.max_body} bytes"}):
+                for m in _json(413, e.body()):
                     await send(m)
 
 
@@ -106,6 +112,7 @@ def create_app(settings: Settings) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="msn-serve", version=oip.package_version(), lifespan=lifespan,
+                  default_response_class=StrictJSONResponse,
                   description="Masked Siamese Network embeddings, few-shot classifiers and FAISS search "
                               "over an exported bundle. All errors are JSON: {\"error\": ..., \"detail\"?: ...}.")
     app.state.service = service
@@ -123,6 +130,13 @@ def create_app(settings: Settings) -> FastAPI:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content={"error": str(exc.detail)},
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OSError)
+    async def _disk(request: Request, exc: OSError) -> JSONResponse:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return await _unhandled(request, exc)
+        err = storage_error(exc, f"{request.method} {request.url.path}")
+        return JSONResponse(status_code=err.status, content=err.body(), headers=err.headers)
 
     @app.exception_handler(Exception)
     async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
@@ -159,6 +173,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(oip.router)
     # Added last = outermost: metrics also count the 401/413 answers the guard gives.
-    app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=int(settings.max_body_mb * 2**20))
+    app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)
     return app
