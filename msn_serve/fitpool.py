@@ -52,6 +52,10 @@ def _worker_main(conn: Any, threads: int) -> None:
         import cyanure.estimators  # noqa: F401 - ~1 s to import: paid at start-up, not by the first fit
     except ImportError:  # pragma: no cover - reported by the fit itself
         pass
+    try:
+        conn.send_bytes(_frame({"ready": True}))  # start-up does not count against a fit's timeout
+    except OSError:
+        return
     while True:
         try:
             head, body = _unframe(conn.recv_bytes())
@@ -73,14 +77,22 @@ def _worker_main(conn: Any, threads: int) -> None:
 
 
 class _Worker:
+    START_S = 120.0  # a worker that is not ready by then is broken (imports hang, no memory, ...)
+
     def __init__(self, ctx: Any, threads: int):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, threads), name="msn-fit", daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False
 
     def call(self, frame: bytes, timeout: float) -> bytes | None:
         """The reply, or ``None`` after ``timeout`` seconds; raises ``EOFError``/``OSError`` if the worker died."""
+        if not self.ready:
+            if not self.conn.poll(self.START_S):
+                raise OSError(f"fit worker not ready after {self.START_S:.0f} s")
+            self.conn.recv_bytes()
+            self.ready = True
         self.conn.send_bytes(frame)
         if not self.conn.poll(timeout):
             return None

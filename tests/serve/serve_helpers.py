@@ -63,7 +63,7 @@ class Server:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 60, **kw})
 
     def memory_kb(self, field: str = "VmHWM") -> int:
         """The server process's ``/proc`` memory figure (``VmHWM``: peak resident set; ``VmRSS``: current)."""
