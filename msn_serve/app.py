@@ -98,6 +98,24 @@ class GuardMiddleware:
                     await send(m)
 
 
+def _document_model_names(app: FastAPI, model_id: str) -> None:
+    """The OIP ``{model}`` path parameter takes the bundle's model id or ``msn``: say so in the OpenAPI document."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for op in operations.values():
+                    for param in op.get("parameters", []):
+                        if param.get("name") == "model" and param.get("in") == "path":
+                            param["schema"] = {"type": "string", "enum": [model_id, "msn"]}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings) -> FastAPI:
     service = Service(settings)
 
@@ -124,7 +142,8 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"error": "invalid request", "detail": detail})
+        named = "; ".join(f"{'.'.join(str(x) for x in d['loc'][1:]) or d['loc'][0]}: {d['msg']}" for d in detail[:3])
+        return JSONResponse(status_code=422, content={"error": named or "invalid request", "detail": detail})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -172,6 +191,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.include_router(routes.router)
     app.include_router(oip.router)
+    _document_model_names(app, service.info.model_id)
     # Added last = outermost: metrics also count the 401/413 answers the guard gives.
     app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)

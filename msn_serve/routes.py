@@ -6,12 +6,12 @@ defaults, auto-created indexes, result limits) and shapes the response.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
-from .errors import check_name
+from .errors import NAME_RE, check_name
 from .inputs import M, read_request
 from .jsonio import StrictJSONResponse
 from .publish import current_version
@@ -27,6 +27,8 @@ from .schemas import (
 from .service import Service
 
 router = APIRouter(default_response_class=StrictJSONResponse)
+# Stated in the OpenAPI document (and checked again by check_name, in Python, on every use).
+Name = Annotated[str, Path(pattern=f"^{NAME_RE.pattern}$", description="classifier or index name")]
 
 
 def _svc(request: Request) -> Service:
@@ -71,7 +73,7 @@ async def fewshot_fit(request: Request) -> StrictJSONResponse:
 
 
 @router.post("/fewshot/{name}/predict", tags=["few-shot"], openapi_extra=PredictRequest.openapi_body())
-async def fewshot_predict(name: str, request: Request) -> Response:
+async def fewshot_predict(name: Name, request: Request) -> Response:
     """Top-k labels with probabilities for each image/embedding: ``{"predictions": [[{"label", "probability"}]]}``."""
     svc = _svc(request)
     svc.classifiers.get(check_name(name, "classifier name"))  # 404 before reading the body
@@ -85,13 +87,13 @@ async def fewshot_list(request: Request) -> dict[str, Any]:
 
 
 @router.get("/fewshot/{name}", tags=["few-shot"])
-async def fewshot_get(name: str, request: Request) -> dict[str, Any]:
+async def fewshot_get(name: Name, request: Request) -> dict[str, Any]:
     clf = _svc(request).classifiers.get(check_name(name, "classifier name"))
     return {"name": clf.name, "classes": clf.classes, **clf.info}
 
 
 @router.delete("/fewshot/{name}", tags=["few-shot"])
-async def fewshot_delete(name: str, request: Request) -> dict[str, Any]:
+async def fewshot_delete(name: Name, request: Request) -> dict[str, Any]:
     svc = _svc(request)  # the store refuses on a read-only replica
     await svc.run_work(svc.classifiers.delete, check_name(name, "classifier name"))
     return {"deleted": name}
@@ -104,7 +106,7 @@ async def index_list(request: Request) -> dict[str, Any]:
 
 
 @router.post("/index/{name}", status_code=201, tags=["index"], openapi_extra=IndexCreateRequest.openapi_body())
-async def index_create(name: str, request: Request) -> StrictJSONResponse:
+async def index_create(name: Name, request: Request) -> StrictJSONResponse:
     """Create an index (its options are fixed from then on)."""
     svc, req = await _read(request, IndexCreateRequest, writes=True)
     idx = await svc.run_work(lambda: svc.indexes.create(check_name(name, "index name"), req.spec()))
@@ -112,19 +114,19 @@ async def index_create(name: str, request: Request) -> StrictJSONResponse:
 
 
 @router.get("/index/{name}", tags=["index"])
-async def index_stats(name: str, request: Request) -> dict[str, Any]:
+async def index_stats(name: Name, request: Request) -> dict[str, Any]:
     return _svc(request).indexes.get(check_name(name, "index name")).stats()
 
 
 @router.delete("/index/{name}", tags=["index"])
-async def index_drop(name: str, request: Request) -> dict[str, Any]:
+async def index_drop(name: Name, request: Request) -> dict[str, Any]:
     svc = _svc(request)  # the store refuses on a read-only replica
     await svc.run_work(svc.indexes.drop, check_name(name, "index name"))
     return {"deleted": name}
 
 
 @router.post("/index/{name}/add", tags=["index"], openapi_extra=IndexAddRequest.openapi_body())
-async def index_add(name: str, request: Request) -> dict[str, Any]:
+async def index_add(name: Name, request: Request) -> dict[str, Any]:
     """Add vectors (or embedded images) under external ids, replacing ids already there; creates a default flat
     index if needed."""
     svc, req = await _read(request, IndexAddRequest, writes=True)
@@ -132,7 +134,7 @@ async def index_add(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/index/{name}/search", tags=["index"], openapi_extra=SearchRequest.openapi_body())
-async def index_search(name: str, request: Request) -> Response:
+async def index_search(name: Name, request: Request) -> Response:
     """k nearest neighbours of each query image/vector: ``results[i] = [{id, score, metadata?}, ...]``."""
     svc = _svc(request)
     svc.indexes.get(check_name(name, "index name"))  # 404 before reading the body
@@ -141,7 +143,7 @@ async def index_search(name: str, request: Request) -> Response:
 
 
 @router.post("/index/{name}/delete", tags=["index"], openapi_extra=IndexDeleteRequest.openapi_body())
-async def index_delete_ids(name: str, request: Request) -> dict[str, Any]:
+async def index_delete_ids(name: Name, request: Request) -> dict[str, Any]:
     svc, req = await _read(request, IndexDeleteRequest, writes=True)
     return await svc.remove_from_index(name, req)
 
