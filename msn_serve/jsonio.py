@@ -38,8 +38,9 @@ def loads(data: bytes | str, what: str, status: int = 422) -> Any:
 
 
 def dumps(value: Any) -> str:
-    """Compact, strict JSON text (raises ``ValueError`` on NaN/infinity, which callers have excluded)."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    """Compact, strict, ASCII-only JSON text (non-ASCII characters as ``\\u`` escapes, so its length is its size
+    in bytes, which the metadata and response limits count); raises ``ValueError`` on NaN/infinity."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def depth(value: Any) -> int:
@@ -74,7 +75,7 @@ class BoundedJson:
         self.size = 0
 
     def write(self, text: str) -> None:
-        self.size += len(text)  # characters: a lower bound of the UTF-8 bytes, exact for ASCII
+        self.size += len(text)  # characters; exact bytes for the ASCII text dumps() writes
         if self.size > self.limit:
             raise too_large(f"the response would exceed {self.limit} bytes ({self.setting}); ask for fewer "
                             "queries, a smaller k, or store less metadata per id")
