@@ -15,8 +15,6 @@ import argparse
 import io
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,33 +27,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from serve_bench import machine, pct, tiny_bundle
+from serve_bench import machine, pct, save, start_server, tiny_bundle
 
 DIM = 64
-
-
-def start(src: Path, bundle: Path, data: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    proc = subprocess.Popen([sys.executable, "-m", "msn_serve", "--bundle", str(bundle), "--data-dir", str(data),
-                             "--port", str(port), "--intra-op-threads", "1", "--log-level", "warning", *args],
-                            cwd=src, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError("server exited")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("server not ready")
 
 
 def proc_kb(pid: int, field: str = "VmHWM") -> int:
@@ -153,15 +127,15 @@ def main() -> int:
     ap.add_argument("--note", default="")
     ap.add_argument("--label", help="names the measured code in the table (default: the tree's git commit)")
     a = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="msn-hostile-"))
-    try:
-        bundle = a.bundle or tiny_bundle(tmp / "tiny")
-        src = a.src.resolve()
-        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip() or src.name
-        out: dict = {"machine": machine(), "src": a.label or commit, "note": a.note, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        proc, url = start(src, bundle, tmp / "d1", "--max-request-pixels", "400000000") if src == REPO else \
-            start(src, bundle, tmp / "d1")
+    src = a.src.resolve()
+    commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    out: dict = {"machine": machine(), "src": a.label or commit or src.name, "note": a.note,
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    args = ["--intra-op-threads", "1"] + (["--max-request-pixels", "400000000"] if src == REPO else [])
+    with tempfile.TemporaryDirectory(prefix="msn-hostile-") as scratch:
+        tmp = Path(scratch)
+        proc, url = start_server(a.bundle or tiny_bundle(tmp / "tiny"), tmp / "data", args, src=src)
         try:
             if not a.skip_search:
                 out["hostile_search"] = hostile_search(url, proc.pid)
@@ -173,11 +147,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(out, indent=1))
-        print(f"wrote {a.out}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save(a.out, out)
     return 0
 
 

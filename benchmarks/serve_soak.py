@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from serve_bench import machine, pct, start_server, test_images, tiny_bundle
+from serve_bench import machine, pct, save, start_server, test_images, tiny_bundle
 
 KINDS = ("embed", "search", "add", "predict")
 
@@ -204,23 +203,19 @@ def main() -> int:
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. how processes were pinned)")
     ap.add_argument("--quick", action="store_true", help="20 s soak, 5 s overload: proves the harness")
     a = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="msn-soak-"))
-    try:
+    duration, over = (20.0, 5.0) if a.quick else (a.duration, a.overload_seconds)
+    name = str(a.bundle) if a.bundle else "tiny random ViT (2 blocks, 32 px, patch 4, 64-d)"
+    out = {"machine": machine(), "bundle": name, "quick": a.quick, "note": a.note,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(f"machine: {out['machine']['cpu']} x{out['machine']['cores_visible']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="msn-soak-") as scratch:
+        tmp = Path(scratch)
         bundle = a.bundle or tiny_bundle(tmp / "tiny")
-        duration, over = (20.0, 5.0) if a.quick else (a.duration, a.overload_seconds)
-        name = str(bundle) if a.bundle else "tiny random ViT (2 blocks, 32 px, patch 4, 64-d)"
-        out = {"machine": machine(), "bundle": name, "quick": a.quick, "note": a.note,
-               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        print(f"machine: {out['machine']['cpu']} x{out['machine']['cores_visible']}", flush=True)
         out["soak"] = soak(bundle, tmp, a.clients, duration, a.client_procs, a.threads)
         print("soak:", json.dumps({k: v for k, v in out["soak"].items() if k != "rss_series_kb"}), flush=True)
         out["overload"] = overload(bundle, tmp, a.clients, over, a.client_procs, a.threads)
         print("overload:", json.dumps(out["overload"]), flush=True)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(out, indent=1))
-        print(f"wrote {a.out}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save(a.out, out)
     return 0
 
 

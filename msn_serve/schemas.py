@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -57,6 +58,15 @@ def int_in(lo: int, hi: int) -> Any:
 Mask = Annotated[Any, WithJsonSchema({"description": MASK_DOC})]
 
 
+def _at_most_max_k(v: int, info: ValidationInfo) -> int:
+    if v > _settings(info).max_k:
+        raise ValueError(f"at most {_settings(info).max_k} (max_k)")
+    return v
+
+
+K = Annotated[int, BeforeValidator(_no_bool), AfterValidator(_at_most_max_k)]
+
+
 def _count(value: Any, what: str, limit: int, setting: str) -> list:
     """A non-empty JSON list no longer than ``limit`` (413 naming ``setting`` beyond), checked before its items."""
     if not isinstance(value, list) or not value:
@@ -89,6 +99,14 @@ def matrix(value: Any, limit: int, setting: str) -> np.ndarray | None:
     return arr.astype(np.float32)
 
 
+def matrix_of(setting: str) -> Any:
+    """A matrix field whose row count is bounded by the setting named ``setting`` (413 beyond)."""
+    def check(value: Any, info: ValidationInfo) -> np.ndarray | None:
+        return matrix(value, getattr(_settings(info), setting), setting)
+
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema(MATRIX_SCHEMA)]
+
+
 def ids(value: Any, limit: int) -> np.ndarray:
     _count(value, "ids", limit, "max_vectors_per_request")
     if not all(type(i) is int and 0 <= i <= MAX_ID for i in value):
@@ -119,6 +137,10 @@ def metadata(value: Any, count_limit: int, byte_limit: int) -> Texts | None:
                             "(max_metadata_bytes)")
         out.append(text)
     return out
+
+
+Ids = Annotated[Any, BeforeValidator(lambda v, info: ids(v, _settings(info).max_vectors_per_request)),
+                WithJsonSchema(IDS_SCHEMA)]
 
 
 class RequestModel(BaseModel):
@@ -229,8 +251,7 @@ class FitRequest(RequestModel):
     name: str = Field(description=f"classifier name, matching {NAME_RE.pattern}")
     labels: Annotated[list[str], WithJsonSchema({"type": "array", "minItems": 1, "items": {"type": "string"}})] = \
         Field(description="one label (string or integer) per image/embedding")
-    embeddings: Annotated[Any, WithJsonSchema(MATRIX_SCHEMA)] = Field(None, description="precomputed embeddings "
-                                                                                         "instead of images")
+    embeddings: matrix_of("max_fit_samples") = Field(None, description="precomputed embeddings instead of images")
     lambd: float | None = Field(None, gt=0, allow_inf_nan=False, description="L2 strength; cyanure lambda_1 = "
                                 "lambd / n (MSN protocol); default MSN_SERVE_DEFAULT_LAMBD (0.00025)")
     overwrite: bool = Field(False, description="replace an existing classifier")
@@ -258,36 +279,15 @@ class FitRequest(RequestModel):
             out.append(text)
         return out
 
-    @field_validator("embeddings", mode="before")
-    @classmethod
-    def _embeddings(cls, v: Any, info: ValidationInfo) -> np.ndarray | None:
-        return matrix(v, _settings(info).max_fit_samples, "max_fit_samples")
-
 
 class PredictRequest(RequestModel):
     """``POST /fewshot/{name}/predict``."""
 
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"embeddings", "mask"})
     QUERY: ClassVar[tuple[str, ...]] = ("k",)
-    embeddings: Annotated[Any, WithJsonSchema(MATRIX_SCHEMA)] = Field(None, description="instead of images")
-    k: Int = Field(5, ge=1, description="top-k labels per image/embedding (also ?k=; at most max_k)")
+    embeddings: matrix_of("max_vectors_per_request") = Field(None, description="instead of images")
+    k: K = Field(5, ge=1, description="top-k labels per image/embedding (also ?k=; at most max_k)")
     mask: Mask = None
-
-    @field_validator("embeddings", mode="before")
-    @classmethod
-    def _embeddings(cls, v: Any, info: ValidationInfo) -> np.ndarray | None:
-        return matrix(v, _settings(info).max_vectors_per_request, "max_vectors_per_request")
-
-    @field_validator("k")
-    @classmethod
-    def _k(cls, v: int, info: ValidationInfo) -> int:
-        return _max_k(v, info)
-
-
-def _max_k(v: int, info: ValidationInfo) -> int:
-    if v > _settings(info).max_k:
-        raise ValueError(f"at most {_settings(info).max_k} (max_k)")
-    return v
 
 
 class IndexCreateRequest(RequestModel):
@@ -313,22 +313,11 @@ class IndexAddRequest(RequestModel):
     """``POST /index/{name}/add``: re-adding an id replaces its vector and metadata."""
 
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"ids", "vectors", "metadata", "mask"})
-    ids: Annotated[Any, WithJsonSchema(IDS_SCHEMA)] = Field(description="one non-negative int64 id per "
-                                                                        "image/vector")
-    vectors: Annotated[Any, WithJsonSchema(MATRIX_SCHEMA)] = Field(None, description="instead of images")
+    ids: Ids = Field(description="one non-negative int64 id per image/vector")
+    vectors: matrix_of("max_vectors_per_request") = Field(None, description="instead of images")
     metadata: Annotated[Any, WithJsonSchema({"type": "array", "items": {}})] = Field(
         None, description="one JSON value (or null) per id; at most max_metadata_bytes each")
     mask: Mask = None
-
-    @field_validator("ids", mode="before")
-    @classmethod
-    def _ids(cls, v: Any, info: ValidationInfo) -> np.ndarray:
-        return ids(v, _settings(info).max_vectors_per_request)
-
-    @field_validator("vectors", mode="before")
-    @classmethod
-    def _vectors(cls, v: Any, info: ValidationInfo) -> np.ndarray | None:
-        return matrix(v, _settings(info).max_vectors_per_request, "max_vectors_per_request")
 
     @field_validator("metadata", mode="before")
     @classmethod
@@ -342,22 +331,12 @@ class SearchRequest(RequestModel):
 
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"vectors", "mask"})
     QUERY: ClassVar[tuple[str, ...]] = ("k", "nprobe", "ef_search")
-    vectors: Annotated[Any, WithJsonSchema(MATRIX_SCHEMA)] = Field(None, description="query vectors (at most "
-                                                                                     "max_queries_per_search)")
-    k: Int = Field(10, ge=1, description="neighbours per query (also ?k=; at most max_k)")
+    vectors: matrix_of("max_queries_per_search") = Field(None, description="query vectors (at most "
+                                                                           "max_queries_per_search)")
+    k: K = Field(10, ge=1, description="neighbours per query (also ?k=; at most max_k)")
     nprobe: int_in(1, 1 << 20) | None = Field(None, description="ivf only (also ?nprobe=)")
     ef_search: int_in(1, 1 << 16) | None = Field(None, description="hnsw only (also ?ef_search=)")
     mask: Mask = None
-
-    @field_validator("vectors", mode="before")
-    @classmethod
-    def _vectors(cls, v: Any, info: ValidationInfo) -> np.ndarray | None:
-        return matrix(v, _settings(info).max_queries_per_search, "max_queries_per_search")
-
-    @field_validator("k")
-    @classmethod
-    def _k(cls, v: int, info: ValidationInfo) -> int:
-        return _max_k(v, info)
 
 
 class IndexDeleteRequest(RequestModel):
@@ -365,9 +344,4 @@ class IndexDeleteRequest(RequestModel):
 
     IMAGES: ClassVar[bool] = False
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"ids"})
-    ids: Annotated[Any, WithJsonSchema(IDS_SCHEMA)] = Field(description="ids to remove")
-
-    @field_validator("ids", mode="before")
-    @classmethod
-    def _ids(cls, v: Any, info: ValidationInfo) -> np.ndarray:
-        return ids(v, _settings(info).max_vectors_per_request)
+    ids: Ids = Field(description="ids to remove")

@@ -21,20 +21,11 @@ from msn_serve.errors import ApiError
 from msn_serve.jsonio import loads
 from msn_serve.oip_tensors import parse_request, split_body, tensors
 from msn_serve.preprocess import PixelBudget, preprocess_bytes
-from msn_serve.schemas import (
-    EmbedRequest,
-    FitRequest,
-    IndexAddRequest,
-    IndexCreateRequest,
-    IndexDeleteRequest,
-    PredictRequest,
-    SearchRequest,
-)
+from msn_serve.schemas import RequestModel
 
 SETTINGS = Settings(bundle="/nonexistent", max_vectors_per_request=50, max_queries_per_search=20, max_k=100,
                     max_fit_samples=50, max_metadata_bytes=2000)
-MODELS = [EmbedRequest, FitRequest, IndexAddRequest, IndexCreateRequest, IndexDeleteRequest, PredictRequest,
-          SearchRequest]
+MODELS = RequestModel.__subclasses__()  # every endpoint's model, including ones added later
 PROPS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
                  derandomize=not os.environ.get("FUZZ_RANDOM"), database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
