@@ -23,7 +23,8 @@ def _fit_body(n: int, classes: int, name: str) -> dict:
 # ---- defect 3: a few-shot fit froze every endpoint ------------------------------------------------------------------
 @pytest.mark.slow
 def test_healthz_and_embed_answer_during_a_long_fit(bundle_dir: Path, tmp_path: Path):
-    """1000 examples of 200 classes: about 10 s of cyanure on one core, which used to hold the GIL throughout."""
+    """1800 examples of 360 classes: 10-30 s of cyanure on one core of the development VM, holding the GIL
+    throughout (the issue's bar: /healthz within 500 ms during a 10 s fit)."""
     srv = Server(bundle_dir, tmp_path / "data").start()
     img = encode(random_image(1))
     result: dict = {}
@@ -31,7 +32,7 @@ def test_healthz_and_embed_answer_during_a_long_fit(bundle_dir: Path, tmp_path: 
     def long_fit():
         with srv.client(timeout=300) as c:
             t0 = time.perf_counter()
-            result["r"] = c.post("/fewshot/fit", json=_fit_body(1000, 200, "long"))
+            result["r"] = c.post("/fewshot/fit", json=_fit_body(1800, 360, "long"))
             result["seconds"] = time.perf_counter() - t0
 
     try:
