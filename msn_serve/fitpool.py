@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -109,8 +110,11 @@ class _Worker:
 
 
 class FitPool:
-    def __init__(self, *, workers: int, max_queued: int, timeout_s: float, threads: int):
+    def __init__(self, *, workers: int, max_queued: int, timeout_s: float, threads: int,
+                 on_change: Callable[[int], None] | None = None):
+        """``on_change(n)`` is called whenever the number of fits running or waiting changes (a metrics gauge)."""
         self.workers, self.max_queued, self.timeout_s, self.threads = workers, max_queued, timeout_s, threads
+        self._on_change = on_change or (lambda n: None)
         self._ctx = multiprocessing.get_context("spawn")  # fork would copy ORT/FAISS threads and the data lock
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
@@ -138,16 +142,21 @@ class FitPool:
         frame = _frame({"shape": list(x.shape), "labels": labels, "lambd": lambd, "max_iter": max_iter, "tol": tol},
                        x.tobytes())
         self._waiting += 1
+        self._on_change(self.in_flight)
         try:
             await self._slots.acquire()
-        finally:
+        except BaseException:
             self._waiting -= 1
+            self._on_change(self.in_flight)
+            raise
+        self._waiting -= 1
         self._running += 1
         try:
             reply = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, frame)
         finally:
             self._running -= 1
             self._slots.release()
+            self._on_change(self.in_flight)
         head, body = _unframe(reply)
         if "error" in head:
             raise unprocessable(head["error"])

@@ -91,7 +91,8 @@ class Service:
         self.pre_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="msn-pre")
         self.work_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="msn-work")
         self.fits = FitPool(workers=settings.fit_workers, max_queued=settings.max_queued_fits,
-                            timeout_s=settings.fit_timeout_s, threads=settings.fit_threads)
+                            timeout_s=settings.fit_timeout_s, threads=settings.fit_threads,
+                            on_change=self.metrics.fits.set)
         self.warmed = False
         self.warmup_error: str | None = None
         self.started = time.time()

@@ -60,19 +60,22 @@ def test_healthz_and_embed_answer_during_a_long_fit(bundle_dir: Path, tmp_path: 
 
 @pytest.mark.slow
 def test_fit_timeout_queue_and_size_limits(bundle_dir: Path, tmp_path: Path):
-    srv = Server(bundle_dir, tmp_path / "data", "--fit-timeout-s", "2", "--max-queued-fits", "0",
-                 "--max-fit-samples", "1000", "--max-fit-classes", "300").start()
+    srv = Server(bundle_dir, tmp_path / "data", "--fit-timeout-s", "1", "--max-queued-fits", "0",
+                 "--max-fit-samples", "2000", "--max-fit-classes", "400").start()
     result: dict = {}
 
     def long_fit():
         with srv.client(timeout=300) as c:
-            result["r"] = c.post("/fewshot/fit", json=_fit_body(1000, 200, "long"))
+            result["r"] = c.post("/fewshot/fit", json=_fit_body(1800, 360, "long"))  # > 10 s: stopped at 1 s
 
     try:
         with srv.client() as c:
             fitting = threading.Thread(target=long_fit)
             fitting.start()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 60
+            while "msn_fits_in_flight 1.0" not in c.get("/metrics").text:  # the long fit holds the one worker
+                assert time.monotonic() < deadline and fitting.is_alive(), "the long fit never reached the pool"
+                time.sleep(0.05)
             busy = c.post("/fewshot/fit", json=_fit_body(6, 2, "second"))  # the one worker is busy, no queue
             assert busy.status_code == 503 and int(busy.headers["retry-after"]) >= 1, busy.text
             assert "max_queued_fits" in busy.json()["error"]
@@ -80,9 +83,9 @@ def test_fit_timeout_queue_and_size_limits(bundle_dir: Path, tmp_path: Path):
             assert result["r"].status_code == 422 and "fit_timeout_s" in result["r"].json()["error"]
             small = c.post("/fewshot/fit", json=_fit_body(6, 2, "small"))  # a fresh worker replaced the killed one
             assert small.status_code == 201, small.text
-            r = c.post("/fewshot/fit", json=_fit_body(1001, 2, "many"))
+            r = c.post("/fewshot/fit", json=_fit_body(2001, 2, "many"))
             assert r.status_code == 413 and "max_fit_samples" in r.json()["error"]
-            r = c.post("/fewshot/fit", json=_fit_body(301, 301, "classes"))
+            r = c.post("/fewshot/fit", json=_fit_body(401, 401, "classes"))
             assert r.status_code == 413 and "max_fit_classes" in r.json()["error"]
             assert c.get("/fewshot/long").status_code == 404  # the stopped fit stored nothing
     finally:
