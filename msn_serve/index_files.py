@@ -18,17 +18,19 @@ import numpy as np
 
 from msn_core.durable import fsync_path
 
+from .metadata import Metadata
+
 CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
 IVF_TYPES = ("ivf", "ivfpq")
 
 
 def write_index_dir(path: Path, config: dict[str, Any], index: faiss.Index, ids: np.ndarray,
-                    metadata: dict[int, Any], seq: int, extra: dict[str, bytes] | None = None) -> None:
+                    metadata: Metadata | dict[int, Any], seq: int, extra: dict[str, bytes] | None = None) -> None:
     """Write the three files (plus ``extra`` name -> bytes) into ``path`` and fsync them and the directory."""
     path.mkdir(parents=True, exist_ok=True)
     if index.ntotal != len(ids):
         raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
-    meta = json.dumps({"seq": int(seq), "metadata": {str(k): v for k, v in metadata.items()}}).encode()
+    meta = f'{{"seq":{int(seq)},"metadata":{Metadata.coerce(metadata).to_json()}}}'.encode()
     buf = io.BytesIO()
     np.savez(buf, ids=np.asarray(ids, dtype=np.int64), meta=np.frombuffer(meta, np.uint8))
     files = {CONFIG_FILE: json.dumps(config, indent=1).encode(), STATE_FILE: buf.getvalue(), **(extra or {})}
