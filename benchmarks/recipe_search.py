@@ -1,22 +1,28 @@
-"""The small-image recipe search: each trial is a config + a wall-clock budget, pretrained, exported and evaluated.
+"""The small-image recipe search: each trial is a config + a budget, pretrained, exported and evaluated.
 
     python benchmarks/recipe_search.py --list                      # the recorded trials, and which have run
     python benchmarks/recipe_search.py --stage focal --cpus 0      # run one stage's trials, pinned to core 0
     python benchmarks/recipe_search.py --trial my-idea --budget 5 --set mask.num_focal=2   # an ad-hoc trial
     python benchmarks/recipe_search.py --render                    # docs/recipe_search.md from the JSON
 
-A trial runs ``training/pretrain.py`` with ``optim.budget_minutes`` (the schedules end when the budget does), then
-``msn-export`` and ``msn-eval``: low-shot at 1, 2 and 5 labels per class on the 3 shipped splits (the official
+A trial runs ``training/pretrain.py`` with ``optim.budget_minutes`` (the schedules end when the budget does), or
+with a fixed ``optim.total_steps`` when the trial names one, then ``msn-export`` and ``msn-eval``: low-shot at 1, 2 and 5 labels per class on the 3 shipped splits (the official
 protocol, fixed lambda) and weighted kNN-20 against the whole training set. Results are appended to
 ``benchmarks/results/recipe_search.json`` as each trial finishes; a trial already there is not run again, so an
 interrupted search continues. Wall time, images/s and the machine are recorded with every row: a budget means
 little without the throughput it bought. ``--cpus``/``--threads`` pin a trial, so two can run side by side on
 separate cores (each then has half the machine: compare trials run with the same pinning only).
+
+Screening trials use fixed step counts rather than wall-clock budgets: on a machine whose other core is busy, a
+budget buys a varying number of steps (up to a third more or less, measured), which would swamp the differences
+being screened. Trials that change the cost of a step get the step count that costs the same time, from the
+throughput ratio measured back to back (noted with the trial).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -46,7 +52,7 @@ class Trial:
     name: str
     stage: str
     overrides: tuple[str, ...] = ()
-    budget: float = 10.0  # minutes of the training loop
+    budget: float | None = 10.0  # minutes of the training loop; None: the overrides fix optim.total_steps
     config: str = BASE_CONFIG
     knn_train: int = 20_000  # screening: kNN against the first 20k training images (0: all 60k)
     note: str = ""
@@ -72,37 +78,50 @@ SEARCH: list[Trial] = [
     }),
     # From here on the reference is p7-nofocal: three times the images of the demo in the same time, and
     # better on every metric. Augmentations next: the official blur (sigma up to 2 px) is sized for 224 px views.
-    *_stage("augment", (*DEMO, *P7), {
+    # (These budget trials bought 1,361-2,176 steps as the other core's load changed: see the note at the top.)
+    *_stage("augment (budget)", (*DEMO, *P7), {
         "blur-sized": ("augment.blur_sigma=[0.1,0.5]",),
         "noblur": ("augment.blur_p=0",),
         "crop-0.2": ("mask.rand_crop_scale=[0.2,1.0]",),
         "crop-0.5": ("mask.rand_crop_scale=[0.5,1.0]",),
-        "jitter-1.0": ("augment.color_jitter_strength=1.0",),
     }),
+    # Fixed step counts from here on. 1,500 steps of the reference take ~8 min on one core.
+    *_stage("reference", (*DEMO, *P7), {
+        "ref": ("optim.total_steps=1500",),
+        "ref-seed1": ("optim.total_steps=1500", "run.seed=1"),
+    }, budget=None),
+    *_stage("augment", (*DEMO, *P7), {
+        "crop-0.5-steps": ("optim.total_steps=1500", "mask.rand_crop_scale=[0.5,1.0]"),
+        "jitter-1.0": ("optim.total_steps=1500", "augment.color_jitter_strength=1.0"),
+        "solarize-0.2": ("optim.total_steps=1500", "augment.solarize_p=0.2"),
+    }, budget=None),
+    # Dropping more patches makes the anchor cheaper: equal-time step counts.
     *_stage("mask ratio", (*DEMO, *P7), {
-        "ratio-0.15": ("mask.ratio=0.15",),
-        "ratio-0.5": ("mask.ratio=0.5",),
-    }),
+        "ratio-0.15": ("optim.total_steps=1360", "mask.ratio=0.15"),
+        "ratio-0.5": ("optim.total_steps=1620", "mask.ratio=0.5"),
+        "ratio-0.7": ("optim.total_steps=1775", "mask.ratio=0.7"),
+    }, budget=None),
     # me-max and Sinkhorn spread a batch of B over K prototypes: with B = 64 < K = 1024 no target or prediction
     # can be sharper than ~B / K. The official K = 1024 comes with a global batch of 1024.
     *_stage("prototypes and batch", (*DEMO, *P7), {
-        "protos-64": ("model.num_prototypes=64",),
-        "protos-256": ("model.num_prototypes=256",),
-        "batch-256": ("data.batch_size=256",),
-        "batch-256-lr2e-3": ("data.batch_size=256", "optim.lr=2e-3"),
-    }),
+        "protos-64": ("optim.total_steps=1500", "model.num_prototypes=64"),
+        "protos-256": ("optim.total_steps=1500", "model.num_prototypes=256"),
+        "batch-256": ("optim.total_steps=375", "data.batch_size=256"),
+        "batch-256-lr2e-3": ("optim.total_steps=375", "data.batch_size=256", "optim.lr=2e-3"),
+    }, budget=None),
     *_stage("optimiser", (*DEMO, *P7), {
-        "lr-5e-4": ("optim.lr=5e-4",),
-        "lr-2e-3": ("optim.lr=2e-3",),
-        "ema-0.996": ("optim.ema_start=0.996",),
-        "ema-0.98": ("optim.ema_start=0.98",),
-    }),
+        "lr-5e-4": ("optim.total_steps=1500", "optim.lr=5e-4"),
+        "lr-2e-3": ("optim.total_steps=1500", "optim.lr=2e-3"),
+        "ema-0.996": ("optim.total_steps=1500", "optim.ema_start=0.996"),
+        "ema-0.98": ("optim.total_steps=1500", "optim.ema_start=0.98"),
+    }, budget=None),
+    # Bigger models cost more per image: equal-time step counts (measured throughput ratios).
     *_stage("model", (*DEMO, *P7), {
-        "width-384": ("model.embed_dim=384", "model.num_heads=6"),
-        "depth-6": ("model.depth=6",),
-        "depth-8-width-128": ("model.depth=8", "model.embed_dim=128", "model.num_heads=2"),
-        "head-2048": ("model.head_hidden_dim=2048",),
-    }),
+        "width-256": ("optim.total_steps=770", "model.embed_dim=256", "model.num_heads=4"),
+        "depth-6": ("optim.total_steps=1000", "model.depth=6"),
+        "depth-8-width-128": ("optim.total_steps=1270", "model.depth=8", "model.embed_dim=128", "model.num_heads=2"),
+        "head-2048": ("optim.total_steps=1250", "model.head_hidden_dim=2048"),
+    }, budget=None),
 ]
 
 
@@ -111,7 +130,7 @@ class Result:
     name: str
     stage: str
     overrides: list[str]
-    budget: float
+    budget: float | None
     config: str
     note: str
     machine: str
@@ -132,9 +151,13 @@ def load_results() -> dict[str, dict]:
 
 
 def save_result(result: Result) -> None:
-    results = load_results()
-    results[result.name] = asdict(result)
-    atomic_write_json(RESULTS, results)
+    """Read-modify-write under a lock: two searches pinned to different cores may finish at the same time."""
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = load_results()
+        results[result.name] = asdict(result)
+        atomic_write_json(RESULTS, results)
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -153,8 +176,8 @@ def run_trial(trial: Trial, *, cpus: str | None, threads: int, data: str, keep: 
     result = Result(trial.name, trial.stage, list(trial.overrides), trial.budget, trial.config, trial.note,
                     machine(), cpus or "all", threads)
     env = _env(threads)
-    sets = [f"optim.budget_minutes={trial.budget}", "run.progress_bar=false", "run.checkpoint_every_steps=1000000",
-            *trial.overrides]
+    length = [f"optim.budget_minutes={trial.budget}"] if trial.budget is not None else []
+    sets = [*length, "run.progress_bar=false", "run.checkpoint_every_steps=1000000", *trial.overrides]
     pretrain = [sys.executable, "-m", "training.pretrain", "--config", trial.config, "--output-dir", str(work)]
     for item in sets:
         pretrain += ["--set", item]
@@ -206,14 +229,16 @@ def render() -> str:
     stages = list(dict.fromkeys(r["stage"] for r in results.values()))
     for stage in stages:
         rows = [r for r in results.values() if r["stage"] == stage]
-        lines += [f"## {stage}", "", ("| trial | changes | budget (min) | cpus | steps | img/s | 1/class | 2/class | "
-                  "5/class | kNN-20 (train images) |"), "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {stage}", "", ("| trial | changes | budget (min) | train (min) | cpus | steps | img/s | 1/class | "
+                  "2/class | 5/class | kNN-20 (train images) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             ls = [f"{r['lowshot'][s]['mean']:.1f} ± {r['lowshot'][s]['std']:.1f}" if s in r["lowshot"] else "n/a"
                   for s in ("1", "2", "5")]
             changes = "<br>".join(f"`{o}`" for o in r["overrides"]) or "reference"
             knn = f"{r['knn']:.1f} ({r['knn_train'] // 1000}k)" if r["knn"] is not None else "n/a"
-            lines.append(f"| {r['name']} | {changes} | {r['budget']:g} | {r['cpus']} | {r['total_steps']} | "
+            budget = f"{r['budget']:g}" if r["budget"] is not None else "steps"
+            lines.append(f"| {r['name']} | {changes} | {budget} | {r['train_minutes']:.1f} | {r['cpus']} | "
+                         f"{r['total_steps']} | "
                          f"{r['images_per_sec']:.0f} | {' | '.join(ls)} | {knn} |")
         lines.append("")
     machines = sorted({r["machine"] for r in results.values()})
@@ -227,7 +252,8 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], help="run this recorded trial")
     parser.add_argument("--trial", help="an ad-hoc trial's name (with --set, --budget, --config)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--budget", type=float, default=10.0, help="ad-hoc trial: minutes of training loop")
+    parser.add_argument("--budget", type=float, default=10.0,
+                        help="ad-hoc trial: minutes of training loop (0: --set optim.total_steps=N gives the length)")
     parser.add_argument("--knn-train", type=int, default=20_000, help="ad-hoc trial: kNN training images (0: all)")
     parser.add_argument("--config", default=BASE_CONFIG, help="ad-hoc trial: the base config")
     parser.add_argument("--data", default="fashion-mnist", help="msn-eval --data (an image folder for others)")
@@ -242,8 +268,9 @@ def main() -> None:
     done = load_results()
     if args.list:
         for trial in SEARCH:
+            length = f"{trial.budget:g} min" if trial.budget is not None else "steps"
             print(f"{'done' if trial.name in done else '    '}  {trial.stage:12s} {trial.name:24s} "
-                  f"{trial.budget:g} min  {' '.join(trial.overrides)}")
+                  f"{length:8s} {' '.join(trial.overrides)}")
         return
     if args.render:
         atomic_write(DOC, render().encode())
@@ -251,14 +278,15 @@ def main() -> None:
         return
     trials = [t for t in SEARCH if t.stage in args.stage or t.name in args.only]
     if args.trial:
-        trials.append(Trial(args.trial, "ad hoc", tuple(args.overrides), args.budget, args.config, args.knn_train))
+        trials.append(Trial(args.trial, "ad hoc", tuple(args.overrides), args.budget or None, args.config,
+                            args.knn_train))
     if not trials:
         parser.error("nothing to run: give --stage, --only or --trial (see --list)")
     for trial in trials:
         if trial.name in done and not args.rerun:
             print(f"{trial.name}: done, skipped")
             continue
-        print(f"== {trial.name} ({trial.budget:g} min): {' '.join(trial.overrides) or 'reference'}", flush=True)
+        print(f"== {trial.name}: {' '.join(trial.overrides) or 'reference'}", flush=True)
         result = run_trial(trial, cpus=args.cpus, threads=args.threads, data=args.data, keep=args.keep)
         save_result(result)
         ls = " / ".join(f"{result.lowshot[s]['mean']:.1f}" for s in ("1", "2", "5"))
