@@ -38,13 +38,20 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
-# Pretrain (resumes, so a second `make demo` does not train again), export, measure low-shot accuracy, train a small
+# Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
+# accuracy beside the raw-pixel baseline, train a small
 # RCDM decoder on the bundle (also resumed), then run the visualizer app in the background and the service in front.
 demo: setup data
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 training/pretrain.py \
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
 	$(VENV)/bin/msn-export --checkpoint $(DEMO_RUN)/checkpoint.pt --out $(DEMO_BUNDLE)
+	@echo "== MSN features (the exported target encoder):"
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress
+	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress
+	@echo "== The baseline to beat, raw pixels (same protocol):"
+	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --shots 1 2 5 \
+		--splits 3 --no-progress
+	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --no-progress
 	$(PY) -m training.examples --out $(DEMO_RUN)/example.png
 	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_32.yaml \
 		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS)

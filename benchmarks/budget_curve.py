@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.paper_tables import (
-    CONFIG,
     DOCS,
     SEED,
     Step,
@@ -55,6 +54,7 @@ from benchmarks.results_report import (
 )
 from msn_core.durable import atomic_write, atomic_write_json
 
+CONFIG = ROOT / "configs" / "fmnist_vit_tiny.yaml"  # the small-image recipe, as `make demo` trains it
 BUDGET = "optim.budget_minutes"
 SHOTS = ("1", "2", "5", "1percent")
 

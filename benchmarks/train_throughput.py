@@ -39,7 +39,7 @@ PRESETS: dict[str, list[str]] = {
                   "data.num_workers=1", "run.max_steps=25", "run.log_every_steps=5", "run.device=cpu"],
     # The small-image recipe (configs/fmnist_vit_tiny.yaml) as `make demo` trains it, on synthetic 28 px images.
     "cpu-recipe": ["--config", "configs/fmnist_vit_tiny.yaml", "data.load_size=28", "data.num_workers=0",
-                   "run.max_steps=40", "run.log_every_steps=5", "run.device=cpu"],
+                   "optim.budget_minutes=null", "run.max_steps=40", "run.log_every_steps=5", "run.device=cpu"],
     # The paper's settings on one GPU: 224 px, 10 focal views at 96 px, bf16 autocast.
     "gpu-s16": ["model.arch=vit_small", "model.patch_size=16", "model.image_size=224", "mask.focal_size=96",
                 "mask.num_focal=10", "data.load_size=256", "data.batch_size=64", "data.num_workers=8",

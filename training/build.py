@@ -101,7 +101,7 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
         use_sinkhorn=loss.use_sinkhorn, sinkhorn_iterations=loss.sinkhorn_iterations,
         label_smoothing=loss.label_smoothing, entropy_weight=loss.entropy_weight,
     )
-    fused = cfg.optim.fused if cfg.optim.fused is not None else device.type == "cuda"
+    fused = cfg.optim.fused if cfg.optim.fused is not None else True  # one kernel per step, CUDA and CPU alike
     optimizer = torch.optim.AdamW(parameter_groups(online), lr=cfg.optim.lr, fused=fused or None)
 
     model: nn.Module = online
@@ -190,7 +190,7 @@ def train_step(run: Run, schedules: Schedules, step: int, images: Tensor) -> Ste
 def preprocessing(cfg: Config, mean: list[float], std: list[float]) -> dict:
     """Evaluation-time preprocessing, recorded in checkpoints and exported bundles."""
     crop = cfg.data.eval_crop or cfg.model.image_size
-    resize = cfg.data.eval_resize or round(crop * 256 / 224)
+    resize = cfg.data.eval_resize or round(crop * cfg.data.eval_resize_ratio)
     return {"resize": resize, "crop": crop, "mean": list(mean), "std": list(std), "channels": 3,
             "interpolation": "bicubic"}
 

@@ -22,6 +22,7 @@ class ModelConfig:
     arch: str = "vit_small"  # vit_tiny | vit_small | vit_base | vit_large | vit_huge
     patch_size: int = 16
     image_size: int = 224  # size of the target and (masked) anchor views
+    patches_per_side: int | None = None  # when set, patch_size = image_size / this: one recipe for any image size
     embed_dim: int | None = None  # overrides of the arch table, for small custom models
     depth: int | None = None
     num_heads: int | None = None
@@ -37,14 +38,15 @@ class DataConfig:
     source: str = "image_folder"  # image_folder | fashion-mnist | synthetic
     root: str | None = None
     subset_file: str | None = None
-    load_size: int = 256  # workers decode + resize to this; random crops are taken on the device
+    load_size: int | None = 256  # workers decode + resize to this; random crops are taken on the device. None: image_size
     batch_size: int = 64  # per process (the official `criterion.batch_size`)
     num_workers: int = 8
     pin_memory: bool = True
     synthetic_size: int = 512
     mean: list[float] | None = None  # None: the dataset's statistics (ImageNet for folders)
     std: list[float] | None = None
-    eval_resize: int | None = None  # evaluation/export preprocessing; None: image_size * 256 / 224
+    eval_resize: int | None = None  # evaluation/export preprocessing; None: eval_crop * eval_resize_ratio
+    eval_resize_ratio: float = 256 / 224  # the ImageNet convention; 1.0 for small images that are not cropped
     eval_crop: int | None = None  # None: image_size
 
 
@@ -101,7 +103,7 @@ class OptimConfig:
     ema_end: float = 1.0
     horizon_scale: float = 1.25  # schedules span 1.25x the run, as the official code
     clip_grad: float = 3.0  # on the encoder and head; prototypes are not clipped (official)
-    fused: bool | None = None  # fused AdamW; None: on when CUDA
+    fused: bool | None = None  # fused AdamW (numerically the same update); None: on
 
 
 @dataclass
@@ -160,8 +162,21 @@ def read_raw_config(path: str | Path | None, overrides: list[str] | None) -> dic
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Rebuild a Config from ``Config.to_dict()`` output (e.g. the copy stored in a checkpoint)."""
     cfg = build_dataclass(Config, _migrate(raw))
+    _derive(cfg)
     validate(cfg)
     return cfg
+
+
+def _derive(cfg: Config) -> None:
+    """Fill the keys that a config may state relative to the image size (so a recipe moves between sizes)."""
+    m = cfg.model
+    if m.patches_per_side is not None:
+        if m.patches_per_side < 1 or m.image_size % m.patches_per_side:
+            raise ConfigError(f"model.image_size={m.image_size} is not a multiple of "
+                              f"model.patches_per_side={m.patches_per_side}")
+        m.patch_size = m.image_size // m.patches_per_side
+    if cfg.data.load_size is None:
+        cfg.data.load_size = m.image_size
 
 
 # Keys that moved; files and checkpoints written before the move still load.

@@ -58,3 +58,17 @@ def test_cross_field_validation():
 def test_round_trip_through_dict():
     cfg = load_config(None, ["data.source=synthetic", "mask.ratio=0.5"])
     assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_small_image_recipe_follows_the_image_size():
+    """The recipe moves to another image size by one key: patch grid, load size and eval preprocessing follow."""
+    from training.build import preprocessing
+
+    recipe = Path(CONFIGS[0]).parent / "fmnist_vit_tiny.yaml"
+    for size, patch in ((28, 7), (32, 8), (64, 16)):
+        cfg = load_config(recipe, [f"model.image_size={size}"])
+        assert (cfg.model.patch_size, cfg.data.load_size) == (patch, size)
+        assert (preprocessing(cfg, [0.5], [0.5])["resize"], preprocessing(cfg, [0.5], [0.5])["crop"]) == (size, size)
+        assert config_from_dict(cfg.to_dict()).model.patch_size == patch  # checkpoints restore the derived value
+    with pytest.raises(ConfigError, match="patches_per_side"):
+        load_config(recipe, ["model.image_size=30"])
