@@ -15,12 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from msn_core.durable import atomic_write, atomic_write_json
+from msn_core.durable import atomic_write
 
-# The durable writers under the names training code and benchmarks import them by.
-atomic_write_bytes = atomic_write
-__all__ = ["atomic_write_bytes", "atomic_write_json", "capture_rng_state", "copy_checkpoint", "file_sha256",
-           "load_checkpoint", "restore_rng_state", "save_checkpoint"]
+__all__ = ["capture_rng_state", "copy_checkpoint", "file_sha256", "load_checkpoint", "restore_rng_state",
+           "save_checkpoint"]
 
 CHECKPOINT_FORMAT = "msn-train-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -31,7 +29,7 @@ def save_checkpoint(
 ) -> None:
     """Atomically ``torch.save`` ``state`` tagged with its format name and version (checked on load)."""
     state = {"format": fmt, "format_version": version, **state}
-    atomic_write_bytes(path, lambda f: torch.save(state, f))
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def copy_checkpoint(source: str | Path, destination: str | Path) -> None:
@@ -41,7 +39,7 @@ def copy_checkpoint(source: str | Path, destination: str | Path) -> None:
         with open(source, "rb") as src:
             shutil.copyfileobj(src, f, length=16 << 20)
 
-    atomic_write_bytes(destination, write)
+    atomic_write(destination, write)
 
 
 def load_checkpoint(
