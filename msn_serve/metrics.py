@@ -31,6 +31,8 @@ class Metrics:
                                     buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
         self.errors = Counter("msn_errors", "errors by kind", ["kind"], registry=r)
         self.ready = Gauge("msn_ready", "1 when warmed up and inference works", registry=r)
+        self.model_info = Gauge("msn_model_info", "the model served (always 1; the labels say which)",
+                                ["model_id", "precision", "device"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -54,7 +54,8 @@ class Service:
             self._dir_lock = lock_data_dir(settings.data_dir)
             cache_dir = settings.data_dir / "cache"
         self.engine = Engine(self.info, device=settings.device, intra_op_threads=settings.intra_op_threads,
-                             fp16=settings.fp16, cache_dir=cache_dir)
+                             fp16=settings.fp16, cache_dir=cache_dir, precision=settings.precision)
+        self.metrics.model_info.labels(self.info.model_id, self.engine.precision, self.engine.device).set(1)
         self.batcher: Batcher | None = None
         self.quarantined: list[str] = []
         if self.read_only:
@@ -194,7 +195,8 @@ class Service:
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = warmed up and the worker can run inference; after failures, probe with a real forward."""
-        detail: dict[str, Any] = {"warmed_up": self.warmed, "model_id": self.info.model_id}
+        detail: dict[str, Any] = {"warmed_up": self.warmed, "model_id": self.info.model_id,
+                                  "precision": self.engine.precision, "device": self.engine.device}
         if self.warmup_error:
             detail["error"] = f"warm-up failed: {self.warmup_error}"
             return False, detail
