@@ -5,9 +5,11 @@ Layout per index: ``indexes/<name>/config.json`` (immutable after create), ``sna
 request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
 ``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
 snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
-``ivfpq`` (``IndexIVFPQ``, native ids) comes from ``msn-index build``, which writes the mmap-able form of
-:mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either, and read-only replicas open
-published copies of that form memory-mapped, without a WAL.
+``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it cannot delete) comes from ``msn-index build``, which writes the
+mmap-able form of :mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either, and read-only
+replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune themselves as
+they grow (:mod:`msn_serve.index_auto`); with ``--device cuda``, kinds FAISS supports on GPUs also get a GPU copy
+that answers searches (:mod:`msn_serve.index_gpu`).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ import numpy as np
 
 from msn_core.durable import atomic_write, fsync_path
 
+from . import index_auto, index_gpu
 from .errors import conflict, not_found, read_only_replica, unprocessable
-from .index_config import IndexConfig, build_index, config_from_spec
+from .index_config import IndexConfig, build_index, config_from_spec, search_params
 from .index_files import INDEX_FILE, IVF_TYPES, STATE_FILE, read_index_dir, write_index_dir
 from .storage import WriteAheadLog, quarantine, remove_durably
 
@@ -57,26 +60,31 @@ class ManagedIndex:
     """One index: all mutations and searches hold ``lock`` (FAISS mutations are not thread-safe)."""
 
     def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: dict[int, Any], seq: int,
-                 ids: set[int], *, read_only: bool = False):
+                 ids: set[int], *, read_only: bool = False, device: str = "cpu"):
         self.path, self.cfg, self.index, self.metadata, self.seq = path, cfg, index, metadata, seq
         self.lock = threading.RLock()
         self.ids = ids
         self.closed = False
         self.wal = None if read_only else WriteAheadLog(path / "wal.log")
         self.created = time.time()
+        self.device = device  # where searches run when the kind allows it (index_gpu.resolve_device'd)
+        self.gpu_index: faiss.Index | None = None  # GPU copy, rebuilt lazily after changes it cannot follow
+        self.retuning = False  # auto: a background re-tune is running
+        self._pending: list[tuple] | None = None  # mutations applied while it runs, replayed on its result
+        self.last_tuning: dict[str, Any] | None = None
 
     # ---- persistence ------------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Path, cfg: IndexConfig) -> ManagedIndex:
+    def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
         path.mkdir(parents=True, exist_ok=False)
         atomic_write(path / "config.json", json.dumps(asdict(cfg), indent=1).encode())
-        obj = cls(path, cfg, build_index(cfg), {}, 0, set())  # creates wal.log
+        obj = cls(path, cfg, build_index(cfg), {}, 0, set(), device=device)  # creates wal.log
         fsync_path(path)
         fsync_path(path.parent)  # the new index directory itself must survive a crash
         return obj
 
     @classmethod
-    def load(cls, path: Path, data_dir: Path) -> ManagedIndex:
+    def load(cls, path: Path, data_dir: Path, device: str = "cpu") -> ManagedIndex:
         """Open from disk; a corrupt config/snapshot raises, a corrupt WAL record is quarantined and the valid
         prefix replayed (a torn tail is an unacknowledged write and is dropped)."""
         cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
@@ -91,6 +99,8 @@ class ManagedIndex:
                 raise ValueError(f"snapshot has {index.ntotal} vectors but {len(ids)} ids")
             metadata = {int(k): v for k, v in meta["metadata"].items()}
             seq = int(meta["seq"])
+            if "config" in meta:  # an auto index's current kind and tuning, as of this snapshot
+                cfg = IndexConfig(**meta["config"])
             if index.d != cfg.dim:
                 raise ValueError(f"snapshot dim {index.d} != config dim {cfg.dim}")
         elif (path / INDEX_FILE).exists():  # built by msn-index: loaded into memory, since the writer mutates it
@@ -104,7 +114,7 @@ class ManagedIndex:
                 quarantine(data_dir, _copy(path / "wal.log"), f"WAL {problem}; replaying the valid prefix")
             with open(path / "wal.log", "r+b") as f:
                 f.truncate(valid_len)
-        obj = cls(path, cfg, index, metadata, seq, ids)
+        obj = cls(path, cfg, index, metadata, seq, ids, device=device)
         replayed = 0
         for rseq, payload in records:
             if rseq <= obj.seq:
@@ -114,13 +124,16 @@ class ManagedIndex:
             obj.seq = rseq
             replayed += 1
         log.info("index %s: %d vectors (%d WAL records replayed)", path.name, obj.index.ntotal, replayed)
+        with obj.lock:
+            obj._maybe_retune()  # e.g. a crash interrupted a re-tune
         return obj
 
     @classmethod
-    def open_read_only(cls, path: Path) -> ManagedIndex:
+    def open_read_only(cls, path: Path, device: str = "cpu") -> ManagedIndex:
         """A published index, memory-mapped where FAISS allows, with no WAL: any failure raises."""
         config, index, ids, metadata, seq = read_index_dir(path, mmap=True)
-        return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True)
+        return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True,
+                   device=device)
 
     def export(self, dest: Path) -> None:
         """Write the current state in the mmap-able form (for publishing); consistent under ``lock``."""
@@ -131,11 +144,14 @@ class ManagedIndex:
 
     def snapshot(self) -> None:
         with self.lock:
-            meta = json.dumps({"seq": self.seq, "metadata": {str(k): v for k, v in self.metadata.items()}})
+            meta = json.dumps({"seq": self.seq, "metadata": {str(k): v for k, v in self.metadata.items()},
+                               "config": asdict(self.cfg)})
             buf = io.BytesIO()
             np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
                      ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
             atomic_write(self.path / "snapshot.npz", buf.getvalue())
+            if self.cfg.auto:  # its kind changes; the snapshot (written first) is what load() trusts
+                atomic_write(self.path / "config.json", json.dumps(asdict(self.cfg), indent=1).encode())
             for stale in (INDEX_FILE, STATE_FILE):  # a built index's files are superseded by the snapshot
                 if (self.path / stale).exists():
                     remove_durably(self.path / stale)
@@ -178,6 +194,9 @@ class ManagedIndex:
         return v
 
     def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, meta_list: list | None) -> None:
+        if self._pending is not None:
+            self._pending.append((op, ids, vecs))
+        self._sync_gpu(op, ids, vecs)
         if op == "add":
             self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
             self.ids.update(ids.tolist())
@@ -219,12 +238,15 @@ class ManagedIndex:
             self.wal.append(self.seq, _encode("add", arr, v, metadata))
             self._apply("add", arr, v, metadata)
             self._maybe_compact()
+            self._maybe_retune()
         return arr.size
 
     def remove(self, ids: list[int]) -> dict[str, Any]:
         arr = _check_ids(ids)
-        if self.cfg.type == "hnsw":
-            raise conflict("hnsw indexes cannot delete vectors (FAISS limitation); use a flat or ivf index")
+        if not self.cfg.can_delete or (self.cfg.auto and not self.cfg.deletes):
+            what = "this auto index was created with deletes=false" if self.cfg.auto else \
+                f"{self.cfg.type}{' (re-ranked)' if self.cfg.k_factor else ''} indexes cannot delete vectors"
+            raise conflict(f"{what} (FAISS limitation); use a flat, ivf or auto index")
         with self.lock:
             self._check_writable()
             self._check_open()
@@ -243,19 +265,69 @@ class ManagedIndex:
 
     compact_bytes = 64 * 2**20
 
+    # ---- GPU copy and auto re-tuning (both under ``lock``) -----------------------------------------------------
+    @property
+    def search_device(self) -> str:
+        return "cuda" if self.device == "cuda" and index_gpu.supported(self.cfg) else "cpu"
+
+    def _searcher(self) -> faiss.Index:
+        if self.search_device == "cpu":
+            return self.index
+        if self.gpu_index is None:
+            self.gpu_index = index_gpu.to_gpu(self.index)
+        return self.gpu_index
+
+    def _sync_gpu(self, op: str, ids: np.ndarray, vecs: np.ndarray | None) -> None:
+        """Adds go to the GPU copy too; anything else drops it (rebuilt from the CPU index at the next search)."""
+        if self.gpu_index is None:
+            return
+        if op == "add" and self.index.is_trained:
+            self.gpu_index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+        else:
+            self.gpu_index = None
+
+    def _maybe_retune(self) -> None:
+        """Start a background re-tune when an auto index (of the writer) reached its next tuning size."""
+        threshold = self.cfg.next_tuning()
+        if threshold is None or self.retuning or self.wal is None or self.ntotal < threshold:
+            return
+        ids, vecs = index_auto.vectors_of(self.index, self.cfg)
+        self.retuning, self._pending = True, []
+        threading.Thread(target=self._retune, args=(ids, vecs), name=f"msn-retune-{self.path.name}",
+                         daemon=True).start()
+
+    def _retune(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        """Build the tuned index off the lock, then replay what changed meanwhile, swap it in and snapshot."""
+        try:
+            cfg, index, report = index_auto.retune(self.cfg, ids, vecs)
+        except Exception:
+            log.exception("index %s: re-tuning failed; still %s", self.path.name, self.cfg.type)
+            with self.lock:
+                self.retuning, self._pending = False, None
+            return
+        with self.lock:
+            if self.closed:
+                return
+            for op, op_ids, op_vecs in self._pending or []:
+                if op == "add":
+                    index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
+                else:
+                    index.remove_ids(op_ids)
+            self.index, self.cfg, self.gpu_index = index, cfg, None
+            self.retuning, self._pending, self.last_tuning = False, None, report
+            self.snapshot()
+            log.info("index %s re-tuned at %d vectors: %s (%s) in %.1fs", self.path.name, cfg.tuned_at, cfg.type,
+                     report.get("candidates", [{}])[0].get("recall", "exact"), report["seconds"])
+
     # ---- queries ----------------------------------------------------------------------------------------------
     def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
         q = self._prepare(vecs)
-        params = None
-        if self.cfg.type in IVF_TYPES:
-            params = faiss.SearchParametersIVF(nprobe=int(nprobe or self.cfg.nprobe))
-        elif self.cfg.type == "hnsw":
-            params = faiss.SearchParametersHNSW(efSearch=int(max(ef_search or self.cfg.ef_search, k)))
         with self.lock:
             self._check_open()
             if self.index.ntotal == 0:
                 return [[] for _ in range(q.shape[0])]
-            dist, labels = self.index.search(q, int(k), params=params)
+            params = search_params(self.cfg, int(k), nprobe=nprobe, ef_search=ef_search)
+            dist, labels = self._searcher().search(q, int(k), params=params)
             out = []
             for drow, lrow in zip(dist.tolist(), labels.tolist(), strict=True):
                 hits = []
@@ -275,7 +347,10 @@ class ManagedIndex:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
+            auto = {"next_tuning": self.cfg.next_tuning(), "retuning": self.retuning,
+                    "last_tuning": self.last_tuning} if self.cfg.auto else None
             return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
+                    "device": self.search_device, "auto_tuning": auto,
                     "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
                     "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
@@ -302,8 +377,9 @@ class IndexStore:
     """All indexes under ``<data-dir>/indexes``; create/drop are serialised by one lock."""
 
     def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0,
-                 root: Path | None = None, read_only: bool = False):
+                 root: Path | None = None, read_only: bool = False, device: str = "cpu"):
         self.data_dir, self.read_only = data_dir, read_only
+        self.device = index_gpu.resolve_device(device)
         self.root = root or data_dir / "indexes"
         if not read_only:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -318,10 +394,10 @@ class IndexStore:
             if not p.is_dir() or p.name.startswith("."):
                 continue
             if self.read_only:  # a published snapshot is all or nothing: the caller keeps the previous one
-                self.indexes[p.name] = ManagedIndex.open_read_only(p)
+                self.indexes[p.name] = ManagedIndex.open_read_only(p, self.device)
                 continue
             try:
-                idx = ManagedIndex.load(p, self.data_dir)
+                idx = ManagedIndex.load(p, self.data_dir, self.device)
                 idx.compact_bytes = self.compact_bytes
                 self.indexes[p.name] = idx
             except Exception as e:  # noqa: BLE001 - any parse failure means: quarantine, keep serving the rest
@@ -350,7 +426,7 @@ class IndexStore:
                     return self.indexes[name]
                 raise conflict(f"index {name!r} already exists")
             cfg = config_from_spec(spec, self.default_dim, self.model_id)
-            idx = ManagedIndex.create(self.root / name, cfg)
+            idx = ManagedIndex.create(self.root / name, cfg, self.device)
             idx.compact_bytes = self.compact_bytes
             self.indexes[name] = idx
             return idx

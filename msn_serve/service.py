@@ -62,7 +62,7 @@ class Service:
             # empty until the first published version loads (a reader never reads the writer's working files)
             self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id, read_only=True)
             self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim, model_id=self.info.model_id,
-                                      read_only=True)
+                                      read_only=True, device=settings.device)
             try:
                 self._reload_sync()
             except Exception as e:  # faiss/JSON errors come in many types; the CLI reports ValueError cleanly
@@ -71,7 +71,8 @@ class Service:
             clean_temp_files(settings.data_dir)
             self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id)
             self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim,
-                                      model_id=self.info.model_id, compact_mb=settings.wal_compact_mb)
+                                      model_id=self.info.model_id, compact_mb=settings.wal_compact_mb,
+                                      device=settings.device)
             self.quarantined = self.classifiers.load_all() + self.indexes.load_all()
         self._published_signature: tuple | None = None
         self._admin_lock: asyncio.Lock | None = None
@@ -143,6 +144,7 @@ class Service:
             return {"changed": False, "version": previous}
         t0 = time.perf_counter()
         indexes, classifiers, _ = load_version(self.settings.data_dir, version, model_id=self.info.model_id,
+                                               device=self.settings.device,
                                                default_dim=self.info.embed_dim)
         # Two reference swaps; a request that already looked up an index or classifier keeps using that object.
         self.indexes, self.classifiers, self.snapshot_version = indexes, classifiers, version
