@@ -5,10 +5,12 @@ Prints a table and writes JSON (machine facts included). Runs against a real ``m
     python benchmarks/serve_bench.py --bundle bundles/demo --out benchmarks/results/serve_bench.json
     python benchmarks/serve_bench.py --quick            # tiny random bundle, seconds; proves the harness works
 
-Sections: (1) ORT vs torch eager on the same bundle and batch at equal thread budgets; (2) single-image clients at
-1/16/64 concurrency vs offline batched throughput (decode + preprocess + ORT in-process, the server's ceiling);
-(3) mixed mask ratios; (4) FAISS add/search QPS and recall@10 (flat exact = ground truth, IVF, HNSW) at 1e5 and
-1e6 vectors (1e6 skipped with --quick or if memory is short).
+Sections (``--only`` picks some): ``ort``: ORT vs torch eager on the same bundle and batch at equal thread budgets;
+``int8``: fp32 vs int8 ORT, dynamic and static quantization side by side (benchmarks/int8_bench.py); ``http``:
+single-image clients at 1/16/64 concurrency vs offline batched throughput (decode + preprocess + ORT in-process,
+the server's ceiling) and mixed mask ratios; ``faiss``: every index kind tuned by msn-serve's tuner to recall@10
+>= 0.95 on a million clustered 384-d vectors and on the bundle's Fashion-MNIST embeddings replicated to a million
+(benchmarks/faiss_bench.py), with memory per kind and, where faiss sees a GPU, the GPU copies.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def machine() -> dict:
@@ -223,39 +226,7 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
     return {"batch": batch, "images": total, "images_per_s": total / (time.perf_counter() - t0)}
 
 
-# ---- (4) FAISS ------------------------------------------------------------------------------------------------------------
-def faiss_bench(n: int, dim: int, queries: int, k: int = 10) -> dict:
-    from msn_serve.index_config import recommended_nlist
-    from msn_serve.indexes import IndexStore
-    rng = np.random.default_rng(0)
-    # clustered data: recall on pure Gaussian noise says little about real embeddings
-    centres = rng.standard_normal((max(16, n // 1000), dim)).astype(np.float32)
-    data = centres[rng.integers(0, len(centres), n)] + 0.5 * rng.standard_normal((n, dim)).astype(np.float32)
-    q = data[rng.integers(0, n, queries)] + 0.1 * rng.standard_normal((queries, dim)).astype(np.float32)
-    out = {"n": n, "dim": dim, "queries": queries, "k": k}
-    truth = None
-    with tempfile.TemporaryDirectory() as tmp:
-        store = IndexStore(Path(tmp), default_dim=dim, model_id="bench", compact_mb=1e6)
-        nlist = recommended_nlist(n)
-        for kind, spec in (("flat", {"type": "flat"}), ("ivf", {"type": "ivf", "nlist": nlist, "nprobe": 16}),
-                           ("hnsw", {"type": "hnsw", "m": 32, "ef_search": 64})):
-            idx = store.create(kind, spec)
-            t0 = time.perf_counter()
-            for s in range(0, n, 50_000):
-                chunk = data[s: s + 50_000]
-                idx.add(list(range(s, s + len(chunk))), chunk, None)
-            t_add = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            res = idx.search(q, k)
-            t_search = time.perf_counter() - t0
-            ids = np.array([[h["id"] for h in r] + [-1] * (k - len(r)) for r in res])
-            if truth is None:
-                truth = ids
-            recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, truth, strict=True)]))
-            out[kind] = {"add_vectors_per_s": n / t_add, "search_qps_batched": queries / t_search,
-                         f"recall@{k}_vs_flat": recall, **({"nlist": nlist, "nprobe": 16} if kind == "ivf" else {})}
-            store.drop(kind)
-    return out
+SECTIONS = ("ort", "int8", "http", "faiss")
 
 
 def main() -> int:
@@ -263,60 +234,72 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, help="bundle directory (default with --quick: a tiny random one)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_bench.json")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: proves the harness, numbers mean nothing")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="sections to run (default all); e.g. --only faiss for the million-vector part alone")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (pin them away from the "
                     "server's cores with taskset on a big machine)")
+    ap.add_argument("--faiss-n", type=int, help="vectors per FAISS corpus (default 1,000,000; --quick 20,000)")
+    ap.add_argument("--faiss-kinds", nargs="+", default=["ivf", "ivfpq", "hnsw"], choices=["ivf", "ivfpq", "hnsw"])
+    ap.add_argument("--guard-images", type=int, help="held-out images of the int8 guard (default 10,000)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="msn-bench-"))
     try:
         bundle = a.bundle or (tiny_bundle(tmp / "bundle") if a.quick else None)
         if bundle is None:
             ap.error("--bundle is required without --quick")
-        reps, per_client, faiss_sizes = (3, 4, [10_000]) if a.quick else (20, 50, [100_000, 1_000_000])
-        result: dict = {"machine": machine(), "bundle": str(bundle), "quick": a.quick,
+        reps, per_client = (3, 4) if a.quick else (20, 50)
+        result: dict = {"machine": machine(), "bundle": str(bundle), "quick": a.quick, "sections": a.only,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         print(f"machine: {result['machine']['cpu']} x{result['machine']['cores_visible']}", flush=True)
-        result["ort_vs_torch"] = ort_vs_torch(bundle, a.batch, a.threads, reps)
-        print("ort vs torch:", json.dumps(result["ort_vs_torch"]), flush=True)
-        images = test_images(16)
-        proc, url = start_server(bundle, tmp / "data", ["--max-batch-size", str(a.batch), "--max-wait-ms", "2",
-                                                        "--intra-op-threads", str(a.threads), "--device", a.device,
-                                                        "--queue-size", "4096"])
-        try:
-            result["http"] = []
-            for c in (1, 16, 64):
-                r = load(url, images, c, max(c * per_client, 20), [None], a.client_procs)
-                result["http"].append(r)
-                print("http:", json.dumps(r), flush=True)
-            masks = [None, '{"ratio": 0.5}', '{"ratio": 0.75}', '{"ratio": 0.9}']
-            result["http_mixed_masks"] = load(url, images, 16, 16 * per_client, masks, a.client_procs)
-            print("mixed masks:", json.dumps(result["http_mixed_masks"]), flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        result["offline_batched"] = offline(bundle, images, a.batch, a.threads, max(64, 16 * per_client))
-        best = max(r["images_per_s"] for r in result["http"])
-        result["http_best_vs_offline"] = best / result["offline_batched"]["images_per_s"]
-        print("offline:", json.dumps(result["offline_batched"]), f"http/offline={result['http_best_vs_offline']:.2f}")
-        result["faiss"] = []
-        mem = result["machine"]["memory_bytes"] or 0
-        from msn_core.bundle import load_bundle_info
-        dim = load_bundle_info(bundle).embed_dim if a.quick else max(384, load_bundle_info(bundle).embed_dim)
-        for n in faiss_sizes:
-            if n * dim * 4 * 4 > mem * 0.5:
-                print(f"faiss n={n}: skipped (needs ~{n * dim * 16 / 2**30:.1f} GiB)")
-                continue
-            r = faiss_bench(n, dim, 200 if a.quick else 1000)
-            result["faiss"].append(r)
-            print("faiss:", json.dumps(r), flush=True)
+        if "ort" in a.only:
+            result["ort_vs_torch"] = ort_vs_torch(bundle, a.batch, a.threads, reps)
+            print("ort vs torch:", json.dumps(result["ort_vs_torch"]), flush=True)
+        if "int8" in a.only:
+            import int8_bench
+            result["int8"] = int8_bench.run(bundle, threads=a.threads, batch=a.batch,
+                                            guard_images=a.guard_images or (256 if a.quick else 10_000),
+                                            seconds=2.0 if a.quick else 20.0)
+            print("int8:", json.dumps(result["int8"]), flush=True)
+        if "http" in a.only:
+            http_section(result, bundle, tmp, a, per_client)
+        if "faiss" in a.only:
+            import faiss_bench
+            n = a.faiss_n or (20_000 if a.quick else 1_000_000)
+            result["faiss_tuned"] = faiss_bench.run(None if a.quick else bundle, n,
+                                                    ["clustered"] if a.quick else ["clustered", "fmnist"],
+                                                    a.faiss_kinds)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1))
         print(f"wrote {a.out}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def http_section(result: dict, bundle: Path, tmp: Path, a: argparse.Namespace, per_client: int) -> None:
+    images = test_images(16)
+    proc, url = start_server(bundle, tmp / "data", ["--max-batch-size", str(a.batch), "--max-wait-ms", "2",
+                                                    "--intra-op-threads", str(a.threads), "--device", a.device,
+                                                    "--queue-size", "4096"])
+    try:
+        result["http"] = []
+        for c in (1, 16, 64):
+            r = load(url, images, c, max(c * per_client, 20), [None], a.client_procs)
+            result["http"].append(r)
+            print("http:", json.dumps(r), flush=True)
+        masks = [None, '{"ratio": 0.5}', '{"ratio": 0.75}', '{"ratio": 0.9}']
+        result["http_mixed_masks"] = load(url, images, 16, 16 * per_client, masks, a.client_procs)
+        print("mixed masks:", json.dumps(result["http_mixed_masks"]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    result["offline_batched"] = offline(bundle, images, a.batch, a.threads, max(64, 16 * per_client))
+    best = max(r["images_per_s"] for r in result["http"])
+    result["http_best_vs_offline"] = best / result["offline_batched"]["images_per_s"]
+    print("offline:", json.dumps(result["offline_batched"]), f"http/offline={result['http_best_vs_offline']:.2f}")
 
 
 if __name__ == "__main__":

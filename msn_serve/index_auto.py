@@ -10,6 +10,8 @@ this runs (see :class:`msn_serve.indexes.ManagedIndex`).
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -21,8 +23,9 @@ from faiss.contrib.inspect_tools import get_invlist
 from .index_config import IndexConfig, build_index
 from .index_tuning import nlist_for, plans, select
 
-__all__ = ["retune", "vectors_of"]
+__all__ = ["maybe_retune", "retune", "vectors_of"]
 
+log = logging.getLogger("msn_serve.indexes")
 QUERIES, K = 1000, 10
 
 
@@ -78,3 +81,38 @@ def retune(cfg: IndexConfig, ids: np.ndarray, vecs: np.ndarray, *, seed: int = 0
               "candidates": [{k: v for k, v in r.items() if k != "tuning"} for r in reports],
               "seconds": round(time.perf_counter() - t0, 2)}
     return replace(best.config, tuned_at=n), best.index, report
+
+
+def maybe_retune(idx) -> None:
+    """Called under ``idx.lock`` (a :class:`msn_serve.indexes.ManagedIndex`) after adds: start a background re-tune
+    when an auto index of the writer reached its next tuning size."""
+    threshold = idx.cfg.next_tuning()
+    if threshold is None or idx.retuning or idx.wal is None or idx.ntotal < threshold:
+        return
+    ids, vecs = vectors_of(idx.index, idx.cfg)
+    idx.retuning, idx._pending = True, []
+    threading.Thread(target=_run, args=(idx, ids, vecs), name=f"msn-retune-{idx.path.name}", daemon=True).start()
+
+
+def _run(idx, ids: np.ndarray, vecs: np.ndarray) -> None:
+    """Build the tuned index off the lock, then replay what changed meanwhile, swap it in and snapshot."""
+    try:
+        cfg, index, report = retune(idx.cfg, ids, vecs)
+    except Exception:
+        log.exception("index %s: re-tuning failed; still %s", idx.path.name, idx.cfg.type)
+        with idx.lock:
+            idx.retuning, idx._pending = False, None
+        return
+    with idx.lock:
+        if idx.closed:
+            return
+        for op, op_ids, op_vecs in idx._pending or []:
+            if op == "add":
+                index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
+            else:
+                index.remove_ids(op_ids)
+        idx.index, idx.cfg, idx.gpu_index = index, cfg, None
+        idx.retuning, idx._pending, idx.last_tuning = False, None, report
+        idx.snapshot()
+        log.info("index %s re-tuned at %d vectors: %s in %.1fs", idx.path.name, cfg.tuned_at, cfg.type,
+                 report["seconds"])

@@ -1,13 +1,12 @@
 """``msn-index build``: turn ``msn-embed`` shards into an index that ``msn-serve`` loads (no torch here).
 
-Index choice follows autofaiss' heuristics, simplified: exact ``flat`` while the corpus is below ``--exact-below``
-(1e6) vectors and fits the memory budget; above, ``ivf`` (IVF-Flat) if the raw vectors fit, else ``ivfpq`` with the
-largest PQ code (bytes per vector) that fits. ``nlist`` is the power of two nearest 4·sqrt(N) (16·sqrt(N) from 1e6
-vectors), capped so every list gets >= 39 training points. ``hnsw`` only on request (``--index-type``): it cannot
-delete and its graph is not memory-mapped. The search-time knob (``nprobe``; ``efSearch`` for HNSW) is tuned as the
-smallest value whose recall@k against exact search reaches ``--target-recall`` on held-out queries (corpus vectors
-not used to train the quantizer), and stored as the index's default. Chosen parameters, measured recall and query
-times are printed and stored in ``build_info.json`` next to the index.
+The index is chosen by :mod:`msn_serve.index_tuning`, the tuner msn-serve's auto indexes use: exact ``flat`` while
+the corpus is below ``--exact-below`` (1e5) vectors and fits the memory budget; above, every candidate of
+``--candidates`` that fits (IVF-Flat; fast-scan IVF-PQ re-ranked exactly, unless ``--deletes``; HNSW if asked for)
+is built, its search knob tuned on held-out queries (corpus vectors not used to train the quantizer) to
+``--target-recall`` recall@k against exact search, and timed; the most queries per second at the target wins.
+Plain IVF-PQ with the largest code that fits is the fallback when raw vectors exceed the budget. Every candidate's
+figures, the chosen parameters and query times are printed and stored in ``build_info.json`` next to the index.
 
 The output is the :mod:`msn_serve.index_files` form (``config.json`` + ``index.faiss`` + ``state.npz``) in
 ``<data-dir>/indexes/<name>/``, written in a hidden staging directory and renamed into place.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import struct
 import threading
 import time
 from dataclasses import asdict
@@ -31,29 +30,19 @@ from msn_core.durable import atomic_write, fsync_path
 from . import index_auto, index_gpu
 from .errors import conflict, not_found, read_only_replica, unprocessable
 from .index_config import IndexConfig, build_index, config_from_spec, search_params
-from .index_files import INDEX_FILE, IVF_TYPES, STATE_FILE, read_index_dir, write_index_dir
+from .index_files import (
+    INDEX_FILE,
+    IVF_TYPES,
+    STATE_FILE,
+    decode_record,
+    encode_record,
+    read_index_dir,
+    write_index_dir,
+)
 from .storage import WriteAheadLog, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1
-
-
-def _encode(op: str, ids: np.ndarray, vecs: np.ndarray | None, metadata: list | None) -> bytes:
-    head = json.dumps({"op": op, "n": int(ids.size), "dim": 0 if vecs is None else int(vecs.shape[1]),
-                       "metadata": metadata}).encode()
-    body = ids.astype("<i8").tobytes() + (b"" if vecs is None else vecs.astype("<f4").tobytes())
-    return struct.pack("<I", len(head)) + head + body
-
-
-def _decode(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, list | None]:
-    (hl,) = struct.unpack_from("<I", payload)
-    head = json.loads(payload[4: 4 + hl])
-    n, dim = head["n"], head["dim"]
-    ids = np.frombuffer(payload, dtype="<i8", count=n, offset=4 + hl).astype(np.int64)
-    vecs = None
-    if dim:
-        vecs = np.frombuffer(payload, dtype="<f4", count=n * dim, offset=4 + hl + 8 * n).reshape(n, dim)
-    return head["op"], ids, vecs, head["metadata"]
 
 
 class ManagedIndex:
@@ -119,7 +108,7 @@ class ManagedIndex:
         for rseq, payload in records:
             if rseq <= obj.seq:
                 continue
-            op, ids, vecs, meta_list = _decode(payload)
+            op, ids, vecs, meta_list = decode_record(payload)
             obj._apply(op, ids, vecs, meta_list)
             obj.seq = rseq
             replayed += 1
@@ -235,7 +224,7 @@ class ManagedIndex:
                 self.snapshot()  # training is not replayed bit-exactly, so persist its result directly
                 return arr.size
             self.seq += 1
-            self.wal.append(self.seq, _encode("add", arr, v, metadata))
+            self.wal.append(self.seq, encode_record("add", arr, v, metadata))
             self._apply("add", arr, v, metadata)
             self._maybe_compact()
             self._maybe_retune()
@@ -254,7 +243,7 @@ class ManagedIndex:
             missing = sorted(set(arr.tolist()) - set(present.tolist()))
             if present.size:
                 self.seq += 1
-                self.wal.append(self.seq, _encode("remove", present, None, None))
+                self.wal.append(self.seq, encode_record("remove", present, None, None))
                 self._apply("remove", present, None, None)
                 self._maybe_compact()
         return {"removed": int(present.size), "not_found": missing}
@@ -287,37 +276,7 @@ class ManagedIndex:
             self.gpu_index = None
 
     def _maybe_retune(self) -> None:
-        """Start a background re-tune when an auto index (of the writer) reached its next tuning size."""
-        threshold = self.cfg.next_tuning()
-        if threshold is None or self.retuning or self.wal is None or self.ntotal < threshold:
-            return
-        ids, vecs = index_auto.vectors_of(self.index, self.cfg)
-        self.retuning, self._pending = True, []
-        threading.Thread(target=self._retune, args=(ids, vecs), name=f"msn-retune-{self.path.name}",
-                         daemon=True).start()
-
-    def _retune(self, ids: np.ndarray, vecs: np.ndarray) -> None:
-        """Build the tuned index off the lock, then replay what changed meanwhile, swap it in and snapshot."""
-        try:
-            cfg, index, report = index_auto.retune(self.cfg, ids, vecs)
-        except Exception:
-            log.exception("index %s: re-tuning failed; still %s", self.path.name, self.cfg.type)
-            with self.lock:
-                self.retuning, self._pending = False, None
-            return
-        with self.lock:
-            if self.closed:
-                return
-            for op, op_ids, op_vecs in self._pending or []:
-                if op == "add":
-                    index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
-                else:
-                    index.remove_ids(op_ids)
-            self.index, self.cfg, self.gpu_index = index, cfg, None
-            self.retuning, self._pending, self.last_tuning = False, None, report
-            self.snapshot()
-            log.info("index %s re-tuned at %d vectors: %s (%s) in %.1fs", self.path.name, cfg.tuned_at, cfg.type,
-                     report.get("candidates", [{}])[0].get("recall", "exact"), report["seconds"])
+        index_auto.maybe_retune(self)
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
