@@ -29,7 +29,7 @@ __all__ = ["Plan", "Tuned", "choose", "estimate_bytes", "evaluate", "index_bytes
 GB = 1e9
 PQ_CHOICES = (64, 48, 32, 24, 16, 12, 8, 4)
 IDMAP_BYTES = 8 + 40  # IndexIDMap2: id array + reverse hash map entry (estimate)
-K_FACTORS = (2, 4, 8)  # re-ranked IVF-PQ: candidates re-ranked per result
+K_FACTORS = (2, 4, 8, 16, 32)  # re-ranked IVF-PQ: candidates re-ranked per result
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """Named FAISS indexes with external int64 ids, JSON metadata, and WAL + snapshot persistence.
 
-Layout per index: ``indexes/<name>/config.json`` (immutable after create), ``snapshot.npz`` (serialised FAISS index
-+ metadata + last applied WAL sequence, replaced atomically) and ``wal.log`` (add/remove records, fsync'd before a
-request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
-``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
-snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
+Layout per index: ``indexes/<name>/config.json`` (fixed at create; an auto index rewrites it when it changes
+kind), ``snapshot.npz`` (serialised FAISS index + metadata + last applied WAL sequence + config, replaced
+atomically) and ``wal.log`` (add/remove records, fsync'd before a request is acknowledged). Start-up = snapshot +
+replay of records newer than it. Types: ``flat`` (exact, ``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat``
+with its native ids, trained on its first add, which is then snapshotted rather than logged so replay never
+retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
 ``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it cannot delete) comes from ``msn-index build``, which writes the
 mmap-able form of :mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either, and read-only
 replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune themselves as
