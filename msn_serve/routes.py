@@ -129,7 +129,8 @@ async def index_list(request: Request) -> dict[str, Any]:
 
 @router.post("/index/{name}", status_code=201, tags=["index"], openapi_extra=_doc({
     "metric": ({"type": "string", "enum": ["ip", "l2"]}, "ip (cosine when normalised, default) or l2"),
-    "type": ({"type": "string", "enum": ["flat", "ivf", "hnsw"]}, "flat = exact IndexIDMap2(IndexFlat*)"),
+    "type": ({"type": "string", "enum": ["flat", "ivf", "hnsw", "auto"]},
+             "flat = exact; auto = exact, then tuned as it grows (target_recall, exact_below, retune_growth, deletes)"),
     "dim": ({"type": "integer"}, "vector size (default: the model's)"),
     "normalize": ({"type": "boolean"}, "L2-normalise added and query vectors (default true for ip)"),
     "nlist": ({"type": "integer"}, "ivf lists"), "nprobe": ({"type": "integer"}, "ivf default nprobe"),
