@@ -131,6 +131,47 @@ def serve_section(report: dict) -> list[str]:
     return lines
 
 
+def hostile_section(after: dict, before: dict | None) -> list[str]:
+    """Issue 12's hostile and heavy requests: this code, and the code before the fix when measured."""
+    lines = [f"Machine: {machine_line(after['machine'])}. {after.get('note', '')}".rstrip(), ""]
+    search = after.get("hostile_search")
+    if search:
+        lines += ["| hostile search (default limits) | status | answer |", "|---|---|---|"]
+        for case, r in search["cases"].items():
+            answer = r["error"] or f"{r['bytes']:,} bytes"
+            lines.append(f"| {case} | {r['status']} | {answer} |")
+        growth = (f"Peak memory (VmHWM) of the server grew by {search['peak_memory_growth_mb']:.0f} MB over these "
+                  "requests (the issue's bar: 300 MB; before, one such request made a 10.5 GB response and an OOM kill).")
+        lines += ["", growth, ""]
+    header = ("| code | fit (1800 examples, 360 classes) | /healthz p50 / p99 / max during the fit | "
+              "8 x 6300² 16-bit PNGs: server CPU | peak memory growth |")
+    lines += [header, "|---|---|---|---|---|"]
+    for label, r in [("after", after)] + ([("before", before)] if before else []):
+        h, im = r["healthz_during_fit"], r["images_16bit"]
+        ms = h["healthz_ms"]
+        lines.append(f"| {label} ({r['src']}) | {h['fit_wall_s']:.1f} s | {ms['p50']:.0f} / {ms['p99']:.0f} / "
+                     f"{ms['max']:.0f} ms | {im['server_cpu_s']:.1f} s | {im['peak_memory_growth_mb']:.0f} MB |")
+    return lines + [""]
+
+
+def soak_section(report: dict) -> list[str]:
+    s, o = report["soak"], report["overload"]
+    rss = s["rss"]
+    machine = f"Machine: {machine_line(report['machine'])}. Bundle: {report['bundle']}. {report.get('note', '')}"
+    summary = (f"Soak: {s['clients']} concurrent clients ({s['client_processes']} client processes) for "
+               f"{s['seconds']:.0f} s: {s['requests']:,} requests ({s['requests_per_s']:.1f}/s), "
+               f"**{s['errors']} errors**; server RSS {rss['after_1min_kb'] / 1024:.0f} MB after the first minute, "
+               f"{rss['end_kb'] / 1024:.0f} MB at the end ({100 * rss['growth_after_1min']:+.1f} %), at most "
+               f"{rss['max_kb'] / 1024:.0f} MB.")
+    lines = [machine.rstrip(), "", summary, "", "| request | count | p50 ms | p99 ms |", "|---|---|---|---|"]
+    for kind, r in s["latency_ms"].items():
+        lines.append(f"| {kind} | {r['n']:,} | {r['p50']:.0f} | {r['p99']:.0f} |")
+    overload = (f"Overload: the same {o['clients']} clients sending 8-image requests for {o['seconds']:.0f} s to a "
+                f"server with a 16-image queue: {o['requests']:,} requests, {o['refused_503']:,} answered 503 "
+                f"({o['retry_after_missing']} without Retry-After), {o['other_errors']} other errors.")
+    return lines + ["", overload, ""]
+
+
 def main() -> None:
     lines = [
         "# Benchmarks",
@@ -163,6 +204,20 @@ def main() -> None:
                           "indexes at 10⁶ vectors. One command produces them (about an hour, the machine otherwise "
                           "idle): `python benchmarks/serve_bench.py --bundle bundles/bench`, with `bundles/bench` "
                           "exported from a Fashion-MNIST run as in [serving.md](serving.md#benchmark)."), ""]
+    hostile = RESULTS / "serve_hostile.json"
+    if hostile.exists():
+        before = RESULTS / "serve_hostile-before.json"
+        usage = ("`python benchmarks/serve_hostile.py` (and `--src <tree of the code before> --skip-search "
+                 "--out benchmarks/results/serve_hostile-before.json`).")
+        lines += ["## Hostile and heavy requests (issue 12)", "", usage, ""]
+        lines += hostile_section(json.loads(hostile.read_text()),
+                                 json.loads(before.read_text()) if before.exists() else None)
+    soak = RESULTS / "serve_soak.json"
+    if soak.exists() and not json.loads(soak.read_text()).get("quick"):
+        usage = ("`python benchmarks/serve_soak.py --clients 64 --duration 300`: mixed /embed, search, add and "
+                 "predict requests; RSS sampled every second.")
+        lines += ["## Load and soak", "", usage, ""]
+        lines += soak_section(json.loads(soak.read_text()))
     DOC.write_text("\n".join(lines).rstrip() + "\n")
     print(f"wrote {DOC}")
 

@@ -164,45 +164,80 @@ def render_rcdm(result: dict) -> str:
 BUDGET_JSON, BUDGET_PNG = "budget_curve.json", "budget_curve.png"
 
 
-def budget_bundle(epoch: int) -> str:
-    """Name of the bundle (and eval prefix) of the budget curve's checkpoint after ``epoch`` epochs."""
-    return f"ep{epoch:04d}"
+def budget_bundle(minutes: float) -> str:
+    """Name of the budget curve's run, bundle and eval prefix for a budget of ``minutes``."""
+    return f"budget-{minutes:g}min"
+
+
+# The time-to-accuracy targets: (budget in minutes, {setting or "knn": least accuracy}); pixels are added below.
+BUDGET_TARGETS = {10: {}, 30: {"1imgs_class": 54.0, "2imgs_class": 61.0, "5imgs_class": 70.0, "knn": 88.0},
+                  60: {"1imgs_class": 60.0, "knn": 90.0}}
+
+
+def _knn_top1(evals: dict, bundle: str) -> float | None:
+    rows = evals.get(f"{bundle}-knn", {}).get("results", [])
+    return rows[0]["top1"] if rows else None
+
+
+def _std(evals: dict, key: str, setting: str) -> float | None:
+    for row in evals.get(key, {}).get("results", []):
+        if row.get("setting") == setting:
+            return row["std"]
+    return None
 
 
 def render_budget(result: dict) -> str:
-    """``benchmarks/budget_curve.py``: low-shot accuracy after each epoch of one long run, with the baselines."""
-    ev = result["evals"]
-    rows = [(budget_bundle(e), f"MSN after {e} epoch{'s' if e > 1 else ''}") for e in result["eval_epochs"]]
+    """``benchmarks/budget_curve.py``: one pretraining run per wall-clock budget, with the baselines."""
+    ev, budgets = result["evals"], result["budgets"]
+    rows = []
+    for minutes in budgets:
+        name = budget_bundle(minutes)
+        run = result["runs"][name]
+        label = (f"MSN, {minutes:g} min ({run['steps']} steps, {run['images_per_sec']:.0f} img/s, "
+                 f"{run['epochs']} epochs)")
+        rows.append((name, label))
     rows += [("random_init", "random-init ViT"), ("pixels", "raw pixels")]
-    return "\n".join([
-        "## Low-shot accuracy against pretraining budget", "",
-        (f"`python benchmarks/budget_curve.py` on {result['machine']}: `{result['config']}` trained for "
-         f"{result['epochs']} epochs as one cosine schedule ({result['pretrain_step_seconds'] / 60:.0f} min of "
-         f"optimiser steps), the target encoder exported and evaluated after the listed epochs "
-         f"({result['eval_seconds'] / 60:.0f} min to export and evaluate). Low-shot top-1 (%), mean ± std over the 3 "
-         "shipped splits; kNN on the first 10k training images. An early epoch is a checkpoint of the long "
-         "schedule, not a run of that length."), "",
-        _table(["model", *(s for _, s in SETTINGS), f"kNN k=20 ({KNN_TRAIN // 1000}k train)"],
-               _lowshot_rows(ev, rows, lambda b: _knn(ev, b))), "",
-        *(_budget_verdict(ev, result["eval_epochs"], base, name) for base, name in
-          (("random_init", "the random-init ViT"), ("pixels", "raw pixels"))), "",
-        f"![low-shot accuracy against pretraining epochs, raw pixels dashed]({BUDGET_PNG})", ""])
+
+    def knn(bundle: str) -> list[str]:
+        top1 = _knn_top1(ev, bundle)
+        return [f"{top1:.1f}" if top1 is not None else "n/a"]
+
+    load = ", ".join(f"{m:g} min: {result['runs'][budget_bundle(m)]['load_before']:.2f}" for m in budgets)
+    lines = [
+        "## Accuracy against a wall-clock pretraining budget", "",
+        (f"`python benchmarks/budget_curve.py` on {result['machine']}: `{result['config']}` pretrained once per "
+         f"budget with `--set optim.budget_minutes=B` (seed {result['seed']}), so each run's schedules end with its "
+         "budget; the budget covers the training loop (calibration, steps, checkpoints), not export and "
+         "evaluation. Low-shot top-1 (%), mean ± std over the 3 shipped splits with the official protocol (fixed "
+         "lambda); kNN-20 against all 60,000 training images. Load average before each run (nothing else "
+         f"running): {load}."), "",
+        _table(["model", *(s for _, s in SETTINGS), "kNN-20 (60k)"], _lowshot_rows(ev, rows, knn)), "",
+        "Targets (the time-to-accuracy issue): above raw pixels at 1, 2 and 5 labels per class and on kNN-20 at",
+        "every budget; at 30 min at least pixels + 5 points (54 / 61 / 70 %) and kNN-20 ≥ 88 %; at 60 min",
+        "kNN-20 ≥ 90 % and 1 label per class ≥ 60 %.", "",
+        *(_budget_verdict(ev, minutes) for minutes in budgets), "",
+        f"![accuracy against pretraining budget, raw pixels dashed]({BUDGET_PNG})", ""]
+    return "\n".join(lines)
 
 
-def _budget_verdict(ev: dict, epochs: list[int], base: str, name: str) -> str:
-    """From which evaluated epoch on MSN stays above ``base`` at 1, 2 and 5 labels per class."""
-    shots = [s for s, _ in SETTINGS[:3]]
-    others = [mean_accuracy(ev, f"{base}-lowshot", s) for s in shots]
-    above = []
-    for epoch in epochs:
-        ours = [mean_accuracy(ev, f"{budget_bundle(epoch)}-lowshot", s) for s in shots]
-        if None in ours + others:
-            return f"- MSN above {name} at 1, 2 and 5 images per class: n/a."
-        above.append(all(a > b for a, b in zip(ours, others)))
-    first = next((e for i, e in enumerate(epochs) if all(above[i:])), None)
-    if first is None:
-        return f"- MSN above {name} at 1, 2 and 5 images per class: **not by epoch {epochs[-1]}**."
-    return f"- MSN above {name} at 1, 2 and 5 images per class: from epoch {first} on (paper: yes)."
+def _budget_verdict(ev: dict, minutes: float) -> str:
+    """Met / missed for each target of this budget, with the margin and whether it is inside one split std."""
+    name = budget_bundle(minutes)
+    checks = []
+    for setting, label in SETTINGS[:3]:
+        ours, pixels = mean_accuracy(ev, f"{name}-lowshot", setting), mean_accuracy(ev, "pixels-lowshot", setting)
+        bar = max(pixels or 0.0, BUDGET_TARGETS.get(minutes, {}).get(setting, 0.0))
+        if ours is None or pixels is None:
+            checks.append(f"{label} n/a")
+            continue
+        std = _std(ev, f"{name}-lowshot", setting) or 0.0
+        inside = " (inside one std)" if ours > bar and ours - bar <= std else ""
+        checks.append(f"{label} {ours:.1f} vs {bar:.1f}: {'met' if ours > bar else '**missed**'}{inside}")
+    ours, pixels = _knn_top1(ev, name), _knn_top1(ev, "pixels")
+    if ours is not None and pixels is not None:
+        bar = max(pixels, BUDGET_TARGETS.get(minutes, {}).get("knn", 0.0))
+        checks.append(f"kNN {ours:.1f} vs {bar:.1f}: {'met' if ours > bar else '**missed**'}")
+    return f"- {minutes:g} min: " + "; ".join(checks) + "."
 
 
 def render(docs: Path) -> str:

@@ -59,6 +59,13 @@ def machine() -> dict:
             "ort_providers": ort.get_available_providers(), "faiss": faiss.__version__, "platform": platform.platform()}
 
 
+def save(path: Path, result: dict) -> None:
+    """Write a benchmark's JSON (creating its directory) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
@@ -131,7 +138,8 @@ def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
 
 
 # ---- (2)+(3) HTTP ---------------------------------------------------------------------------------------------------------
-def start_server(bundle: Path, data: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO) -> tuple[subprocess.Popen, str]:
+    """``msn-serve`` from the source tree ``src`` (this one by default) on a free port, once ready."""
     import socket
 
     import httpx
@@ -139,8 +147,9 @@ def start_server(bundle: Path, data: Path, args: list[str]) -> tuple[subprocess.
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "msn_serve", "--bundle", str(bundle), "--data-dir", str(data),
-                             "--port", str(port), "--log-level", "warning", *args], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--port", str(port), "--log-level", "warning", *args], cwd=src,
+                            env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         if proc.poll() is not None:
@@ -271,9 +280,7 @@ def main() -> int:
             result["faiss_tuned"] = faiss_bench.run(None if a.quick else bundle, n,
                                                     ["clustered"] if a.quick else ["clustered", "fmnist"],
                                                     a.faiss_kinds)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {a.out}")
+        save(a.out, result)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

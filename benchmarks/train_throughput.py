@@ -1,12 +1,17 @@
-"""Training throughput and peak memory at different masking ratios (the paper's compute table).
+"""Training throughput, achieved FLOP rate and its share of the machine's matrix-multiply ceiling ("MFU").
 
-Runs the real trainer (`training/pretrain.py`, synthetic data, `run.max_steps`) once per masking ratio in a fresh
-process and reads images/s from its metrics.jsonl (median of the logged windows after warm-up) and the process's
-peak memory (CUDA: max allocated; CPU: max resident set). Each ratio is measured twice: the full MSN step (masked
-anchor + focal views + target) and the anchor branch alone (no focal views), where the saving from dropped
-tokens shows undiluted.
+Each row runs the real trainer (`training/pretrain.py`, synthetic data, `run.max_steps`) in a fresh process and reads
+images/s from its metrics.jsonl (median of the logged windows after warm-up) and the peak memory (CUDA: max
+allocated; CPU: max resident set). The FLOPs of one step are counted in this process on the same config
+(`torch.utils.flop_counter`: matrix multiplies, convolutions and attention, forward and backward, the usual MFU
+convention), and the ceiling is the best fp32 (CPU) or bf16 (CUDA) `torch.mm` rate measured in the same run with
+the same thread count. MFU = FLOPs per step x steps per second / ceiling.
 
-    python benchmarks/train_throughput.py --preset cpu-small            # what docs/benchmarks.md reports on CPU
+Each masking ratio is measured for the full MSN step (masked anchor + focal views + target) and the anchor branch
+alone (no focal views), where the saving from dropped tokens shows undiluted.
+
+    python benchmarks/train_throughput.py --preset cpu-small            # the masking table of docs/benchmarks.md
+    python benchmarks/train_throughput.py --preset cpu-recipe --ratios 0.3   # the small-image recipe's step
     python benchmarks/train_throughput.py --preset gpu-s16 --preset gpu-l7   # on a GPU machine
 
 Writes JSON (default benchmarks/results/train_throughput-<preset>.json) and prints a markdown table.
@@ -22,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +37,9 @@ PRESETS: dict[str, list[str]] = {
     "cpu-small": ["model.arch=vit_tiny", "model.patch_size=4", "model.image_size=32",
                   "mask.focal_size=16", "mask.num_focal=4", "data.load_size=32", "data.batch_size=32",
                   "data.num_workers=1", "run.max_steps=25", "run.log_every_steps=5", "run.device=cpu"],
+    # The small-image recipe (configs/fmnist_vit_tiny.yaml) as `make demo` trains it, on synthetic 28 px images.
+    "cpu-recipe": ["--config", "configs/fmnist_vit_tiny.yaml", "data.load_size=28", "data.num_workers=0",
+                   "run.max_steps=40", "run.log_every_steps=5", "run.device=cpu"],
     # The paper's settings on one GPU: 224 px, 10 focal views at 96 px, bf16 autocast.
     "gpu-s16": ["model.arch=vit_small", "model.patch_size=16", "model.image_size=224", "mask.focal_size=96",
                 "mask.num_focal=10", "data.load_size=256", "data.batch_size=64", "data.num_workers=8",
@@ -54,6 +63,7 @@ def machine() -> dict:
         import torch
 
         info["torch"] = torch.__version__
+        info["threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
@@ -61,12 +71,20 @@ def machine() -> dict:
     return info
 
 
-def run_once(overrides: list[str], workdir: Path) -> dict:
+def split_preset(items: list[str]) -> tuple[str | None, list[str]]:
+    """A preset's optional ``--config FILE`` and its ``key=value`` overrides."""
+    if items[:1] == ["--config"]:
+        return items[1], items[2:]
+    return None, items
+
+
+def run_once(config: str | None, overrides: list[str], workdir: Path) -> dict:
     """One training run in a child process; returns median images/s and peak memory."""
-    cmd = [sys.executable, str(REPO / "training" / "pretrain.py"), "--output-dir", str(workdir)]
+    cmd = [sys.executable, "-m", "training.pretrain", "--output-dir", str(workdir)]
+    cmd += ["--config", config] if config else []
     for item in COMMON + overrides:
         cmd += ["--set", item]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
     _, status, usage = os.wait4(proc.pid, 0)
     stderr = proc.stderr.read().decode() if proc.stderr else ""
     if os.waitstatus_to_exitcode(status) != 0:
@@ -79,24 +97,71 @@ def run_once(overrides: list[str], workdir: Path) -> dict:
     return result
 
 
+def step_flops(config: str | None, overrides: list[str]) -> tuple[float, int]:
+    """(FLOPs of one optimiser step, global batch) for the config, counted on one real step in this process."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from training import distributed as dist
+    from training.build import build_run, build_schedules, train_step
+    from training.config import load_config
+
+    cfg = load_config(REPO / config if config else None, COMMON + overrides)
+    run = build_run(cfg, dist.init_distributed(cfg.run.device))
+    schedules = build_schedules(cfg, 1000, run.steps_per_epoch)
+    images = next(iter(run.loader))[0]
+    train_step(run, schedules, 0, images)  # warm-up: lazy initialisation must not be counted
+    with FlopCounterMode(display=False) as counter:
+        train_step(run, schedules, 1, images)
+    return float(counter.get_total_flops()), run.global_batch
+
+
+def matmul_ceiling(device: str, sizes: tuple[int, ...] = (512, 1024, 2048), seconds: float = 1.0) -> float:
+    """Best ``torch.mm`` rate in FLOP/s (fp32 on CPU, bf16 on CUDA) over square sizes, with this process's threads."""
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        torch.mm(a, b)
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.mm(a, b)
+            reps += 1
+            if device == "cuda":
+                torch.cuda.synchronize()
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default cpu-small")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7])
+    parser.add_argument("--variants", nargs="+", choices=("msn", "anchor-only"), default=["msn", "anchor-only"])
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--note", default="", help="recorded with the results, e.g. what else ran on the machine")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for preset in args.preset or ["cpu-small"]:
+        config, overrides = split_preset(PRESETS[preset])
+        device = "cuda" if "run.device=cuda" in overrides else "cpu"
+        ceiling = matmul_ceiling(device)
         rows = []
-        for variant, extra in (("msn", []), ("anchor-only", ["mask.num_focal=0"])):
+        for variant in args.variants:
+            extra = ["mask.num_focal=0"] if variant == "anchor-only" else []
             for ratio in args.ratios:
+                row_overrides = overrides + extra + [f"mask.ratio={ratio}"]
                 with tempfile.TemporaryDirectory() as tmp:
-                    row = run_once(PRESETS[preset] + extra + [f"mask.ratio={ratio}"], Path(tmp))
-                row.update(variant=variant, mask_ratio=ratio)
+                    row = run_once(config, row_overrides, Path(tmp))
+                flops, batch = step_flops(config, row_overrides)
+                achieved = flops / batch * row["images_per_sec"]
+                row.update(variant=variant, mask_ratio=ratio, gflop_per_image=flops / batch / 1e9,
+                           achieved_gflops=achieved / 1e9, ceiling_gflops=ceiling / 1e9, mfu=achieved / ceiling)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        report = {"benchmark": "train_throughput", "preset": preset, "overrides": PRESETS[preset],
+        report = {"benchmark": "train_throughput", "preset": preset, "config": config, "overrides": overrides,
                   "machine": machine(), "note": args.note, "rows": rows}
         out = args.out_dir / f"train_throughput-{preset}.json"
         out.write_text(json.dumps(report, indent=2) + "\n")
@@ -105,15 +170,19 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def markdown_table(report: dict) -> str:
-    lines = ["| variant | mask ratio | images/s | speed-up | peak memory (GB) |", "|---|---|---|---|---|"]
+    lines = ["| variant | mask ratio | images/s | speed-up | GFLOP/image | GFLOP/s | MFU | peak memory (GB) |",
+             "|---|---|---|---|---|---|---|---|"]
     base = {r["variant"]: r["images_per_sec"] for r in report["rows"] if r["mask_ratio"] == 0.0}
     for r in report["rows"]:
-        speedup = r["images_per_sec"] / base[r["variant"]] if r["variant"] in base else float("nan")
+        speedup = f"×{r['images_per_sec'] / base[r['variant']]:.2f}" if r["variant"] in base else "n/a"
         memory = r.get("peak_cuda_gb", r["peak_rss_gb"])
-        lines.append(f"| {r['variant']} | {r['mask_ratio']:.1f} | {r['images_per_sec']:.1f} | "
-                     f"×{speedup:.2f} | {memory:.2f} |")
+        flops = (f"{r['gflop_per_image']:.2f} | {r['achieved_gflops']:.0f} | {100 * r['mfu']:.0f} % of "
+                 f"{r['ceiling_gflops']:.0f}" if "mfu" in r else "n/a | n/a | n/a")
+        lines.append(f"| {r['variant']} | {r['mask_ratio']:.1f} | {r['images_per_sec']:.1f} | {speedup} | "
+                     f"{flops} | {memory:.2f} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
     main()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["atomic_write", "atomic_write_json", "fsync_path"]
+__all__ = ["atomic_write", "atomic_write_json", "fsync_path", "write_all"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -25,6 +25,13 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is out (a write may be partial); errors (ENOSPC, EIO) propagate."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], Any]) -> None:
@@ -37,13 +44,18 @@ def atomic_write(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], Any
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-            if callable(data):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        if callable(data):
+            with open(fd, "wb") as f:
                 data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -121,14 +121,17 @@ def keep_from_bitmap(bitmap: Any, grid: int | None = None) -> np.ndarray:
 
 def check_keep(indices: Any, num_patches: int, field: str = "mask.keep_idx") -> np.ndarray:
     """Explicit kept indices, checked (non-empty, integer, in ``[0, N)``, unique) and returned sorted."""
-    arr = np.asarray(indices)
+    try:
+        arr = np.asarray(indices)
+    except (ValueError, TypeError, OverflowError):  # ragged or absurdly nested lists
+        arr = np.asarray(None)
     if (isinstance(indices, list) and not all(_is_int(i) for i in indices)) or arr.ndim != 1 or arr.size == 0 \
             or arr.dtype.kind not in "iu":
         raise MaskError(f"{field}: expected a non-empty list of integer patch indices")
+    lo, hi = int(arr.min()), int(arr.max())  # before the cast: uint64 values past 2**63 would wrap
+    if lo < 0 or hi >= num_patches:
+        raise MaskError(f"{field}: indices must be in [0, {num_patches}); got min {lo}, max {hi}")
     arr = arr.astype(np.int64)
-    if arr.min() < 0 or arr.max() >= num_patches:
-        raise MaskError(f"{field}: indices must be in [0, {num_patches}); got min {int(arr.min())}, "
-                        f"max {int(arr.max())}")
     unique = np.unique(arr)
     if unique.size != arr.size:
         raise MaskError(f"{field}: duplicate indices")

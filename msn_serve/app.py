@@ -5,6 +5,7 @@ errors (reshaped to ``{"error": ..., "detail": [...]}``) — because OIP clients
 """
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -19,7 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import oip, routes
 from .config import Settings
-from .errors import ApiError
+from .errors import ApiError, storage_error
+from .jsonio import StrictJSONResponse
 from .metrics import MetricsMiddleware
 from .service import Service
 
@@ -35,8 +37,12 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
             {"type": "http.response.body", "body": raw}]
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(ApiError):
+    """Raised from ``receive`` while a body streams in: route code lets an ApiError through (a multipart parser
+    included), so a chunked body over the limit is a 413 however it is read."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes (max_body_mb)")
 
 
 class GuardMiddleware:
@@ -63,7 +69,7 @@ class GuardMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             for m in _json(413, {"error": f"request body of {int(length)} bytes exceeds the limit of "
-                                          f"{self.max_body} bytes (--max-body-mb)"}):
+                                          f"{self.max_body} bytes (max_body_mb)"}):
                 await send(m)
             return
         seen = 0
@@ -75,7 +81,7 @@ class GuardMiddleware:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_body:
-                    raise _BodyTooLarge()
+                    raise _BodyTooLarge(self.max_body)
             return msg
 
         async def tracking_send(msg: Message) -> None:
@@ -86,10 +92,28 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
+        except _BodyTooLarge as e:  # read outside a route (no handler on the way)
             if not started:
-                for m in _json(413, {"error": f"request body exceeds the limit of {self.max_body} bytes"}):
+                for m in _json(413, e.body()):
                     await send(m)
+
+
+def _document_model_names(app: FastAPI, model_id: str) -> None:
+    """The OIP ``{model}`` path parameter takes the bundle's model id or ``msn``: say so in the OpenAPI document."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for op in operations.values():
+                    for param in op.get("parameters", []):
+                        if param.get("name") == "model" and param.get("in") == "path":
+                            param["schema"] = {"type": "string", "enum": [model_id, "msn"]}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -106,6 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="msn-serve", version=oip.package_version(), lifespan=lifespan,
+                  default_response_class=StrictJSONResponse,
                   description="Masked Siamese Network embeddings, few-shot classifiers and FAISS search "
                               "over an exported bundle. All errors are JSON: {\"error\": ..., \"detail\"?: ...}.")
     app.state.service = service
@@ -117,12 +142,20 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"error": "invalid request", "detail": detail})
+        named = "; ".join(f"{'.'.join(str(x) for x in d['loc'][1:]) or d['loc'][0]}: {d['msg']}" for d in detail[:3])
+        return JSONResponse(status_code=422, content={"error": named or "invalid request", "detail": detail})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content={"error": str(exc.detail)},
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OSError)
+    async def _disk(request: Request, exc: OSError) -> JSONResponse:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return await _unhandled(request, exc)
+        err = storage_error(exc, f"{request.method} {request.url.path}")
+        return JSONResponse(status_code=err.status, content=err.body(), headers=err.headers)
 
     @app.exception_handler(Exception)
     async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
@@ -159,7 +192,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.include_router(routes.router)
     app.include_router(oip.router)
+    _document_model_names(app, service.info.model_id)
     # Added last = outermost: metrics also count the 401/413 answers the guard gives.
-    app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=int(settings.max_body_mb * 2**20))
+    app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)
     return app

@@ -24,6 +24,24 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-body-mb", float, "request body limit (413 beyond)"),
     ("max-image-pixels", int, "decoded width*height limit per image (413 beyond)"),
     ("max-images-per-request", int, "images per request (413 beyond)"),
+    ("max-request-pixels", int, "decoded pixels summed over one request's images (413 beyond)"),
+    ("max-vectors-per-request", int, "vectors/embeddings/ids in one add, fit or predict (413 beyond)"),
+    ("max-queries-per-search", int, "query vectors or images in one search (413 beyond)"),
+    ("max-k", int, "largest k of a search or prediction (422 beyond)"),
+    ("max-results-per-request", int, "queries x k in one search or prediction (413 beyond)"),
+    ("max-metadata-bytes", int, "JSON bytes of one id's metadata (413 beyond)"),
+    ("max-index-metadata-mb", float, "JSON bytes of all metadata of one index (413 beyond)"),
+    ("max-response-mb", float, "response body size (413 beyond)"),
+    ("max-label-chars", int, "characters of one few-shot label (422 beyond)"),
+    ("max-fit-samples", int, "examples in one few-shot fit (413 beyond)"),
+    ("max-fit-classes", int, "distinct labels in one few-shot fit (413 beyond)"),
+    ("fit-workers", int, "few-shot fit worker processes (fits running at once)"),
+    ("max-queued-fits", int, "fits waiting for a worker; beyond that 503 + Retry-After"),
+    ("fit-timeout-s", float, "stop a fit after this many seconds (422)"),
+    ("fit-threads", int, "threads of each fit"),
+    ("timeout-headers-s", float, "close a connection whose request headers take longer than this"),
+    ("timeout-keep-alive-s", float, "close an idle keep-alive connection after this"),
+    ("max-connections", int, "open connections; beyond, 503 + Retry-After and close"),
     ("intra-op-threads", int, "ONNX Runtime intra-op threads (0 = cores)"),
     ("log-level", str, "debug, info, warning, error"),
     ("role", str, "writer (default) or reader (= --read-only)"),
@@ -64,14 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     from .app import create_app
+    from .http_server import uvicorn_options
 
     try:
         app = create_app(settings)
     except (OSError, ValueError) as e:  # msn_core.bundle.BundleError is a ValueError
         print(f"msn-serve: cannot start: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.run(app, **uvicorn_options(settings))
     return 0
 
 

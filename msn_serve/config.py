@@ -36,8 +36,33 @@ class Settings(BaseSettings):
     max_body_mb: float = Field(32.0, gt=0.0)
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded width*height limit (bomb guard)")
     max_images_per_request: int = Field(256, ge=1)
+    # Request limits (docs/serving.md, "Limits"): each refusal is a 413/422 naming the setting. Together they bound
+    # what one request can make the server hold in memory, whatever a client sends.
+    max_request_pixels: int = Field(100_000_000, ge=1, description="decoded pixels summed over one request's "
+                                                                    "images (413 beyond)")
+    max_vectors_per_request: int = Field(10_000, ge=1, description="vectors/embeddings in one add, fit or predict")
+    max_queries_per_search: int = Field(1_000, ge=1, description="query vectors or images in one search")
+    max_k: int = Field(10_000, ge=1, description="largest k of a search or a prediction")
+    max_results_per_request: int = Field(100_000, ge=1, description="queries x k (k capped at the index size or "
+                                                                    "class count) in one search or prediction")
+    max_metadata_bytes: int = Field(65_536, ge=2, description="JSON bytes of one id's metadata")
+    max_index_metadata_mb: float = Field(256.0, gt=0.0, description="JSON bytes of all metadata of one index")
+    max_response_mb: float = Field(64.0, gt=0.0, description="response body size (413 beyond)")
+    max_label_chars: int = Field(256, ge=1, description="characters in one few-shot label")
+    max_fit_samples: int = Field(20_000, ge=2, description="examples in one few-shot fit")
+    max_fit_classes: int = Field(1_000, ge=2, description="distinct labels in one few-shot fit")
+    # Few-shot fits run in worker processes, so a long fit never holds the serving process's GIL.
+    fit_workers: int = Field(1, ge=1, le=64, description="fit worker processes (fits running at once)")
+    max_queued_fits: int = Field(4, ge=0, description="fits waiting for a worker before new ones get 503")
+    fit_timeout_s: float = Field(300.0, gt=0.0, description="a fit running longer is stopped (422)")
+    # Connections (uvicorn): slow or idle clients cannot hold the server's sockets forever.
+    timeout_headers_s: float = Field(10.0, gt=0.0, description="close a connection whose request headers have "
+                                                                "not arrived this long after it opened or went idle")
+    timeout_keep_alive_s: float = Field(5.0, gt=0.0, description="close an idle keep-alive connection after this")
+    max_connections: int = Field(1024, ge=1, description="open connections; beyond, new ones get 503 + "
+                                                          "Retry-After and are closed")
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = physical cores")
-    fit_threads: int = Field(1, ge=1, description="threads for cyanure fits")
+    fit_threads: int = Field(1, ge=1, description="threads of each cyanure fit (in its worker process)")
     default_lambd: float = Field(DEFAULT_LAMBD, gt=0.0, description="few-shot L2 strength before division by n "
                                                                      "(default: the low-shot protocol's)")
     wal_compact_mb: float = Field(64.0, gt=0.0, description="snapshot an index once its WAL exceeds this")
@@ -79,6 +104,18 @@ class Settings(BaseSettings):
         if self.api_key is not None:
             return self.api_key.get_secret_value() or None
         return None
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+    @property
+    def max_response_bytes(self) -> int:
+        return int(self.max_response_mb * 2**20)
+
+    @property
+    def max_index_metadata_bytes(self) -> int:
+        return int(self.max_index_metadata_mb * 2**20)
 
     def banner(self) -> str:
         """Settings as printed at start-up, secrets redacted."""

@@ -5,10 +5,16 @@ Every error the service emits is JSON with an ``error`` key (the Open Inference 
 """
 from __future__ import annotations
 
+import errno
+import math
 import re
+import reprlib
 from typing import Any
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Used with fullmatch: a ``$`` anchor would also accept a trailing newline ("abc\n" became a directory).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlist, _BRIEF.maxdict = 2, 60, 60, 6, 4
 
 
 class ApiError(Exception):
@@ -53,8 +59,27 @@ def too_large(message: str) -> ApiError:
     return ApiError(413, message)
 
 
+def busy(message: str, retry_after: float) -> ApiError:
+    """503 with ``Retry-After`` (whole seconds, at least 1): the client may simply try again later."""
+    return ApiError(503, message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
+
+
+def storage_error(exc: OSError, what: str) -> ApiError:
+    """A write that failed on disk and was rolled back: 507 when the disk (or quota) is full, else 503."""
+    reason = exc.strerror or type(exc).__name__
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ApiError(507, f"{what}: not stored, the data directory is full ({reason}); nothing was changed, "
+                             "retry once space is freed", headers={"Retry-After": "30"})
+    return busy(f"{what}: not stored, the data directory failed ({reason}); nothing was changed, retry later", 5)
+
+
+def brief(value: Any) -> str:
+    """A short repr of client input for error messages (bounded depth and length, safe on deep nesting)."""
+    return _BRIEF.repr(value)
+
+
 def check_name(name: str, what: str = "name") -> str:
     """Reject names that could escape the data directory or surprise a filesystem."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise unprocessable(f"invalid {what} {name!r}: must match {NAME_RE.pattern}")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise unprocessable(f"invalid {what} {brief(name)}: must match {NAME_RE.pattern} (the whole name)")
     return name

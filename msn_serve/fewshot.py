@@ -1,9 +1,10 @@
 """Few-shot classifiers over HTTP: the MSN low-shot classifier of :mod:`msn_core.lowshot`, fitted and stored.
 
 The fit (row centring + L2, cyanure multinomial logistic regression with ``lambd / n``, the two-class case, the
-default lambda) is the one ``msn-eval`` reports accuracy with; this module adds the service's checks, string labels,
-top-k predictions and durable storage: one ``.npz`` per classifier (float weights + JSON as bytes, loaded with
-``allow_pickle=False``), written atomically before a fit is acknowledged.
+default lambda) is the one ``msn-eval`` reports accuracy with; the service runs it in a worker process
+(:mod:`msn_serve.fitpool`). This module adds the service's checks, string labels, top-k predictions and durable
+storage: one ``.npz`` per classifier (float weights + JSON as bytes, loaded with ``allow_pickle=False``), written
+atomically before a fit is acknowledged.
 """
 from __future__ import annotations
 
@@ -21,11 +22,10 @@ import numpy as np
 from msn_core.durable import atomic_write
 from msn_core.lowshot import LinearClassifier, center_and_normalize, fit_logistic
 
-from .errors import check_name, conflict, not_found, read_only_replica, unprocessable
-from .storage import quarantine, remove_durably
+from .errors import check_name, conflict, not_found, read_only_replica, too_large, unprocessable
+from .storage import persisting, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.fewshot")
-MAX_CLASSES = 10_000
 
 
 @dataclass
@@ -35,11 +35,16 @@ class FewShotClassifier:
     classes: list[str]
     info: dict[str, Any] = field(default_factory=dict)
 
-    def predict(self, x: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
+    def top_k(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(class indices (n, k'), probabilities (n, k'))``, most probable first, ``k' = min(k, classes)``."""
         p = LinearClassifier(self.weights, np.asarray(self.classes)).probabilities(x)
-        k = min(k, len(self.classes))
-        top = np.argsort(-p, axis=1, kind="stable")[:, :k]
-        return [[{"label": self.classes[j], "probability": float(p[i, j])} for j in row] for i, row in enumerate(top)]
+        top = np.argsort(-p, axis=1, kind="stable")[:, : min(k, len(self.classes))]
+        return top, np.take_along_axis(p, top, axis=1)
+
+    def predict(self, x: np.ndarray, k: int) -> list[list[dict[str, Any]]]:
+        top, prob = self.top_k(x, k)
+        return [[{"label": self.classes[j], "probability": p} for j, p in zip(row, prow, strict=True)]
+                for row, prow in zip(top.tolist(), prob.tolist(), strict=True)]
 
     def to_bytes(self) -> bytes:
         meta = json.dumps({"name": self.name, "classes": self.classes, "info": self.info}).encode()
@@ -58,25 +63,46 @@ class FewShotClassifier:
         return cls(name=str(meta["name"]), weights=weights, classes=classes, info=dict(meta.get("info", {})))
 
 
-def fit(name: str, x: np.ndarray, labels: list[str], *, lambd: float, threads: int = 1,
-        max_iter: int = 300, tol: float = 1e-3) -> FewShotClassifier:
-    """Fit on embeddings ``x`` (n, D) with string ``labels``; raises 422 on unusable data."""
-    if len(set(labels)) > MAX_CLASSES:
-        raise unprocessable(f"at most {MAX_CLASSES} classes")
+def check_fit_data(x: np.ndarray, labels: list[str], *, max_classes: int) -> None:
+    """What a fit request must satisfy before any fitting work (422/413 naming the problem)."""
+    if len(labels) != len(x):
+        raise unprocessable(f"{len(labels)} labels for {len(x)} images/embeddings")
+    classes = len(set(labels))
+    if classes < 2:
+        raise unprocessable(f"need at least 2 distinct labels to fit a classifier, got {sorted(set(labels))[:1]}")
+    if classes > max_classes:
+        raise too_large(f"{classes} distinct labels exceed the limit of {max_classes} (max_fit_classes)")
+    if not np.isfinite(x).all():
+        raise unprocessable("embeddings contain NaN or infinity")
+    if not np.abs(center_and_normalize(x)).sum(axis=1).all():  # a client error msn-eval has no reason to refuse
+        raise unprocessable("an embedding is constant across dimensions (nothing left after centring)")
+
+
+def from_fit(name: str, model: LinearClassifier, labels: list[str], *, dim: int, lambd: float,
+             seconds: float) -> FewShotClassifier:
+    """The stored classifier for a fitted model (weights as float32, the fit's facts in ``info``)."""
+    classes = [str(c) for c in model.classes]
+    n = len(labels)
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    info = {"n": n, "dim": dim, "lambd": float(lambd), "lambda_1": float(lambd / n),
+            "counts": {c: counts[c] for c in classes}, "fit_seconds": round(seconds, 4), "created": time.time(),
+            "protocol": "row centre + L2 normalise; cyanure multinomial logistic, no intercept"}
+    return FewShotClassifier(name=name, weights=model.coef.astype(np.float32), classes=classes, info=info)
+
+
+def fit(name: str, x: np.ndarray, labels: list[str], *, lambd: float, threads: int = 1, max_iter: int = 300,
+        tol: float = 1e-3, max_classes: int = 1000) -> FewShotClassifier:
+    """Fit in this process (tests, tools); the service fits in a worker process with the same checks."""
+    check_fit_data(x, labels, max_classes=max_classes)
     t0 = time.perf_counter()
     try:
         model = fit_logistic(x, np.asarray(labels, dtype=str), lambd=lambd, max_iter=max_iter, tol=tol,
                              n_threads=threads)
     except ValueError as e:
         raise unprocessable(str(e)) from None
-    if not np.abs(center_and_normalize(x)).sum(axis=1).all():  # a client error msn-eval has no reason to refuse
-        raise unprocessable("an embedding is constant across dimensions (nothing left after centring)")
-    classes = [str(c) for c in model.classes]
-    n = len(labels)
-    info = {"n": n, "dim": int(x.shape[1]), "lambd": float(lambd), "lambda_1": float(lambd / n),
-            "counts": {c: labels.count(c) for c in classes}, "fit_seconds": round(time.perf_counter() - t0, 4),
-            "created": time.time(), "protocol": "row centre + L2 normalise; cyanure multinomial logistic, no intercept"}
-    return FewShotClassifier(name=name, weights=model.coef.astype(np.float32), classes=classes, info=info)
+    return from_fit(name, model, labels, dim=int(x.shape[1]), lambd=lambd, seconds=time.perf_counter() - t0)
 
 
 class ClassifierStore:
@@ -112,10 +138,10 @@ class ClassifierStore:
         check_name(clf.name, "classifier name")
         if self.read_only:
             raise read_only_replica()
-        with self._lock:
+        with self._lock, persisting(f"store classifier {clf.name!r}"):
             self.check_free(clf.name, overwrite=overwrite)
             clf.info["model_id"] = self.model_id
-            atomic_write(self.root / f"{clf.name}.npz", clf.to_bytes())
+            atomic_write(self.root / f"{clf.name}.npz", clf.to_bytes())  # a failure leaves the old file
             self.items[clf.name] = clf
 
     def check_free(self, name: str, *, overwrite: bool) -> None:
@@ -132,7 +158,7 @@ class ClassifierStore:
     def delete(self, name: str) -> None:
         if self.read_only:
             raise read_only_replica()
-        with self._lock:
+        with self._lock, persisting(f"delete classifier {name!r}"):
             self.get(name)
             remove_durably(self.root / f"{name}.npz")
             del self.items[name]

@@ -107,12 +107,15 @@ def _run(idx, ids: np.ndarray, vecs: np.ndarray) -> None:
         if idx.closed:
             return
         for op, op_ids, op_vecs in idx._pending or []:
+            if op == "remove" or cfg.can_delete:  # an add replaces ids already there (with deletes=false the
+                index.remove_ids(op_ids)  # live index refused re-adds that change anything)
             if op == "add":
                 index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
-            else:
-                index.remove_ids(op_ids)
         idx.index, idx.cfg, idx.gpu_index = index, cfg, None
         idx.retuning, idx._pending, idx.last_tuning = False, None, report
-        idx.snapshot()
+        try:
+            idx.snapshot()
+        except OSError as e:  # the WAL still holds every record: a restart replays them and re-tunes again
+            log.warning("index %s: snapshot after re-tuning failed (%s)", idx.path.name, e)
         log.info("index %s re-tuned at %d vectors: %s in %.1fs", idx.path.name, cfg.tuned_at, cfg.type,
                  report["seconds"])

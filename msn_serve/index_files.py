@@ -19,17 +19,20 @@ import numpy as np
 
 from msn_core.durable import fsync_path
 
+from .jsonio import dumps
+from .metadata import Metadata, Texts, to_texts
+
 CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
 IVF_TYPES = ("ivf", "ivfpq")
 
 
 def write_index_dir(path: Path, config: dict[str, Any], index: faiss.Index, ids: np.ndarray,
-                    metadata: dict[int, Any], seq: int, extra: dict[str, bytes] | None = None) -> None:
+                    metadata: Metadata | dict[int, Any], seq: int, extra: dict[str, bytes] | None = None) -> None:
     """Write the three files (plus ``extra`` name -> bytes) into ``path`` and fsync them and the directory."""
     path.mkdir(parents=True, exist_ok=True)
     if index.ntotal != len(ids):
         raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
-    meta = json.dumps({"seq": int(seq), "metadata": {str(k): v for k, v in metadata.items()}}).encode()
+    meta = f'{{"seq":{int(seq)},"metadata":{Metadata.coerce(metadata).to_json()}}}'.encode()
     buf = io.BytesIO()
     np.savez(buf, ids=np.asarray(ids, dtype=np.int64), meta=np.frombuffer(meta, np.uint8))
     files = {CONFIG_FILE: json.dumps(config, indent=1).encode(), STATE_FILE: buf.getvalue(), **(extra or {})}
@@ -63,15 +66,17 @@ def read_index_dir(path: Path, *, mmap: bool) -> tuple[dict[str, Any], faiss.Ind
     return config, index, ids, {int(k): v for k, v in meta["metadata"].items()}, int(meta["seq"])
 
 
-def encode_record(op: str, ids: np.ndarray, vecs: np.ndarray | None, metadata: list | None) -> bytes:
-    """One WAL record of a live index: JSON head (op, count, dim, metadata), then int64 ids and float32 vectors."""
-    head = json.dumps({"op": op, "n": int(ids.size), "dim": 0 if vecs is None else int(vecs.shape[1]),
-                       "metadata": metadata}).encode()
+def encode_record(op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> bytes:
+    """One WAL record of a live index: JSON head (op, count, dim, metadata as stored JSON texts), then int64 ids
+    and float32 vectors."""
+    meta = "null" if texts is None else "[" + ",".join("null" if t is None else t for t in texts) + "]"
+    head = (f'{{"op":{dumps(op)},"n":{int(ids.size)},"dim":{0 if vecs is None else int(vecs.shape[1])},'
+            f'"metadata":{meta}}}').encode()
     body = ids.astype("<i8").tobytes() + (b"" if vecs is None else vecs.astype("<f4").tobytes())
     return struct.pack("<I", len(head)) + head + body
 
 
-def decode_record(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, list | None]:
+def decode_record(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, Texts | None]:
     (hl,) = struct.unpack_from("<I", payload)
     head = json.loads(payload[4: 4 + hl])
     n, dim = head["n"], head["dim"]
@@ -79,4 +84,4 @@ def decode_record(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, l
     vecs = None
     if dim:
         vecs = np.frombuffer(payload, dtype="<f4", count=n * dim, offset=4 + hl + 8 * n).reshape(n, dim)
-    return head["op"], ids, vecs, head["metadata"]
+    return head["op"], ids, vecs, to_texts(head["metadata"], n)

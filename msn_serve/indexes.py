@@ -2,21 +2,26 @@
 
 Layout per index: ``indexes/<name>/config.json`` (fixed at create; an auto index rewrites it when it changes
 kind), ``snapshot.npz`` (serialised FAISS index + metadata + last applied WAL sequence + config, replaced
-atomically) and ``wal.log`` (add/remove records, fsync'd before a request is acknowledged). Start-up = snapshot +
-replay of records newer than it. Types: ``flat`` (exact, ``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat``
-with its native ids, trained on its first add, which is then snapshotted rather than logged so replay never
-retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
-``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it cannot delete) comes from ``msn-index build``, which writes the
-mmap-able form of :mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either, and read-only
-replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune themselves as
-they grow (:mod:`msn_serve.index_auto`); with ``--device cuda``, kinds FAISS supports on GPUs also get a GPU copy
-that answers searches (:mod:`msn_serve.index_gpu`).
+atomically) and ``wal.log`` (add/remove records, fsync'd before a request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
+``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
+snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
+Adding an id that is already there replaces its vector and metadata (so a retried add never duplicates an id); on
+``hnsw`` only a re-add that changes nothing is accepted. A write that fails on disk changes nothing (see
+:class:`~msn_serve.storage.WriteAheadLog`): the client gets a 507/503 and may retry.
+``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it can neither delete nor replace) comes from ``msn-index build``,
+which writes the mmap-able form of :mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either,
+and read-only replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune
+themselves as they grow (:mod:`msn_serve.index_auto`); with ``--device cuda``, kinds FAISS supports on GPUs also get
+a GPU copy that answers searches (:mod:`msn_serve.index_gpu`).
 """
 from __future__ import annotations
 
 import io
 import json
 import logging
+import math
+import os
+import shutil
 import threading
 import time
 from dataclasses import asdict
@@ -29,8 +34,8 @@ import numpy as np
 from msn_core.durable import atomic_write, fsync_path
 
 from . import index_auto, index_gpu
-from .errors import conflict, not_found, read_only_replica, unprocessable
-from .index_config import IndexConfig, build_index, config_from_spec, search_params
+from .errors import conflict, not_found, read_only_replica, too_large, unprocessable
+from .index_config import IndexConfig, build_index, search_params
 from .index_files import (
     INDEX_FILE,
     IVF_TYPES,
@@ -40,18 +45,24 @@ from .index_files import (
     read_index_dir,
     write_index_dir,
 )
-from .storage import WriteAheadLog, quarantine, remove_durably
+from .metadata import Metadata, Texts, to_texts
+from .storage import WriteAheadLog, persisting, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 class ManagedIndex:
     """One index: all mutations and searches hold ``lock`` (FAISS mutations are not thread-safe)."""
 
-    def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: dict[int, Any], seq: int,
-                 ids: set[int], *, read_only: bool = False, device: str = "cpu"):
-        self.path, self.cfg, self.index, self.metadata, self.seq = path, cfg, index, metadata, seq
+    compact_bytes = 64 * 2**20  # the store sets both from the settings
+    metadata_limit: int | None = None
+
+    def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: Metadata | dict[int, Any],
+                 seq: int, ids: set[int], *, read_only: bool = False, device: str = "cpu"):
+        self.path, self.cfg, self.index, self.seq = path, cfg, index, seq
+        self.metadata = Metadata.coerce(metadata)
         self.lock = threading.RLock()
         self.ids = ids
         self.closed = False
@@ -66,12 +77,22 @@ class ManagedIndex:
     # ---- persistence ------------------------------------------------------------------------------------------
     @classmethod
     def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
-        path.mkdir(parents=True, exist_ok=False)
-        atomic_write(path / "config.json", json.dumps(asdict(cfg), indent=1).encode())
-        obj = cls(path, cfg, build_index(cfg), {}, 0, set(), device=device)  # creates wal.log
-        fsync_path(path)
-        fsync_path(path.parent)  # the new index directory itself must survive a crash
-        return obj
+        """Make the directory in a hidden staging name and rename it into place, so a failed create (full disk)
+        leaves nothing a restart would load or quarantine (``clean_temp_files`` removes stray staging dirs)."""
+        staging = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
+        staging.mkdir(parents=True)
+        placed = False
+        try:
+            atomic_write(staging / "config.json", json.dumps(asdict(cfg), indent=1).encode())
+            os.close(os.open(staging / "wal.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            fsync_path(staging)
+            os.rename(staging, path)
+            placed = True
+            fsync_path(path.parent)  # the new index directory itself must survive a crash
+        except BaseException:
+            shutil.rmtree(path if placed else staging, ignore_errors=True)
+            raise
+        return cls(path, cfg, build_index(cfg), Metadata(), 0, set(), device=device)
 
     @classmethod
     def load(cls, path: Path, data_dir: Path, device: str = "cpu") -> ManagedIndex:
@@ -133,9 +154,11 @@ class ManagedIndex:
                             self.metadata, self.seq)
 
     def snapshot(self) -> None:
+        """Replace ``snapshot.npz`` with the current state, then empty the WAL (a failure at any step leaves a
+        state that loads: the old snapshot + the whole WAL, or the new snapshot + records it already holds)."""
         with self.lock:
-            meta = json.dumps({"seq": self.seq, "metadata": {str(k): v for k, v in self.metadata.items()},
-                               "config": asdict(self.cfg)})
+            meta = (f'{{"seq":{int(self.seq)},"config":{json.dumps(asdict(self.cfg))},'
+                    f'"metadata":{self.metadata.to_json()}}}')
             buf = io.BytesIO()
             np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
                      ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
@@ -170,90 +193,144 @@ class ManagedIndex:
 
     # ---- mutations --------------------------------------------------------------------------------------------
     def _prepare(self, vecs: np.ndarray) -> np.ndarray:
-        v = np.ascontiguousarray(vecs, dtype=np.float32)
+        """float32 (n, dim), finite; L2-normalised (in float64, so huge values cannot overflow) if the index
+        normalises, else small enough that squared distances and inner products stay finite in float32."""
+        v = np.asarray(vecs)
         if v.ndim != 2 or v.shape[1] != self.cfg.dim:
             raise unprocessable(f"vectors must have shape (n, {self.cfg.dim}), got {tuple(v.shape)}")
+        v = v.astype(np.float64)
         if not np.isfinite(v).all():
             raise unprocessable("vectors contain NaN or infinity")
         if self.cfg.normalize:
-            v = v.copy()
-            norms = np.linalg.norm(v, axis=1)
+            norms = np.linalg.norm(v, axis=1, keepdims=True)
             if (norms == 0).any():
                 raise unprocessable("cannot normalise an all-zero vector (index was created with normalize)")
-            faiss.normalize_L2(v)
-        return v
+            return np.ascontiguousarray(v / norms, dtype=np.float32)
+        bound = math.sqrt(F32_MAX / (4 * self.cfg.dim))
+        if v.size and np.abs(v).max() > bound:
+            raise unprocessable(f"vector components must be within ±{bound:.3g} in an index without normalisation "
+                                f"(distances must stay finite in float32)")
+        return np.ascontiguousarray(v, dtype=np.float32)
 
-    def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, meta_list: list | None) -> None:
+    def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> None:
         if self._pending is not None:
             self._pending.append((op, ids, vecs))
-        self._sync_gpu(op, ids, vecs)
-        if op == "add":
+        if op == "add":  # an upsert: ids already present are replaced (add() filtered them out where FAISS can't)
+            present = [i for i in ids.tolist() if i in self.ids]
+            self._sync_gpu("replace" if present else op, ids, vecs)
+            if present:
+                self.index.remove_ids(np.asarray(present, dtype=np.int64))
             self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
             self.ids.update(ids.tolist())
-            if meta_list is not None:
-                for i, m in zip(ids.tolist(), meta_list, strict=True):
-                    if m is not None:
-                        self.metadata[i] = m
+            for j, i in enumerate(ids.tolist()):
+                self.metadata.put(i, None if texts is None else texts[j])
         elif op == "remove":
+            self._sync_gpu(op, ids, vecs)
             self.index.remove_ids(ids)
             for i in ids.tolist():
                 self.ids.discard(i)
-                self.metadata.pop(i, None)
+                self.metadata.drop(i)
         else:  # pragma: no cover - only our own writer produces records
             raise ValueError(f"unknown WAL op {op!r}")
 
-    def add(self, ids: list[int], vecs: np.ndarray, metadata: list | None) -> int:
+    def add(self, ids: Any, vecs: np.ndarray, metadata: list | None = None) -> dict[str, int]:
+        """Add (or replace) vectors under ``ids``; durable (WAL fsync'd or snapshot written) before it returns."""
         arr = _check_ids(ids)
         v = self._prepare(vecs)
         if v.shape[0] != arr.size:
             raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
-        if metadata is not None and (not isinstance(metadata, list) or len(metadata) != arr.size):
-            raise unprocessable("metadata must be a JSON list with one entry (or null) per id")
-        with self.lock:
+        try:
+            texts = to_texts(metadata, arr.size)
+        except ValueError as e:
+            raise unprocessable(str(e)) from None
+        with self.lock, persisting(f"add to index {self.path.name!r}"):
             self._check_writable()
             self._check_open()
-            dup = sorted(set(arr.tolist()) & self.ids)
-            if dup:
-                raise conflict(f"ids already in the index (delete them first): {dup[:10]}")
+            present = [j for j, i in enumerate(arr.tolist()) if i in self.ids]
+            if present and not self._replaceable:
+                arr, v, texts = self._drop_unchanged(present, arr, v, texts)
+                present = []  # what is left is new
+            if self.metadata_limit is not None and \
+                    self.metadata.size_after(arr.tolist(), texts) > self.metadata_limit:
+                raise too_large(f"index {self.path.name!r} would hold more than {self.metadata_limit} bytes of "
+                                "metadata (max_index_metadata_mb)")
             if self.cfg.type in IVF_TYPES and not self.index.is_trained:
-                if arr.size < self.cfg.nlist:
-                    raise unprocessable(f"an ivf index trains on its first add: send at least nlist="
-                                        f"{self.cfg.nlist} vectors (got {arr.size}) or create it with a smaller nlist")
-                self.index.train(v)
-                self._apply("add", arr, v, metadata)
-                self.seq += 1
-                self.snapshot()  # training is not replayed bit-exactly, so persist its result directly
-                return arr.size
-            self.seq += 1
-            self.wal.append(self.seq, encode_record("add", arr, v, metadata))
-            self._apply("add", arr, v, metadata)
-            self._maybe_compact()
-            self._maybe_retune()
-        return arr.size
+                self._first_ivf_add(arr, v, texts)
+            elif arr.size:
+                seq = self.seq + 1
+                self.wal.append(seq, encode_record("add", arr, v, texts))  # raises (rolled back) on a full disk
+                self._apply("add", arr, v, texts)
+                self.seq = seq
+                self._maybe_compact()
+                self._maybe_retune()
+        return {"added": int(arr.size) - len(present), "replaced": len(present)}
 
-    def remove(self, ids: list[int]) -> dict[str, Any]:
+    def _drop_unchanged(self, present: list[int], arr: np.ndarray, v: np.ndarray,
+                        texts: Texts | None) -> tuple[np.ndarray, np.ndarray, Texts | None]:
+        """Kinds that cannot remove vectors (hnsw, re-ranked ivfpq, auto with deletes=false) only accept an id that
+        is already there re-added unchanged (a retry)."""
+        for j in present:
+            i = int(arr[j])
+            same = np.array_equal(self.index.reconstruct(i), v[j]) and \
+                self.metadata.text(i) == (None if texts is None else texts[j])
+            if not same:
+                raise conflict(f"id {i} is already in this index with another vector or metadata, and "
+                               f"{self._why_immutable} (FAISS limitation): use a flat, ivf or auto index")
+        keep = np.setdiff1d(np.arange(arr.size), present)
+        return arr[keep], v[keep], None if texts is None else Texts(texts[j] for j in keep.tolist())
+
+    def _first_ivf_add(self, arr: np.ndarray, v: np.ndarray, texts: Texts | None) -> None:
+        """IVF trains on its first add, which is snapshotted (k-means is not replayed bit-exactly); a failed
+        snapshot puts the untrained, empty index back."""
+        if arr.size < self.cfg.nlist:
+            raise unprocessable(f"an ivf index trains on its first add: send at least nlist={self.cfg.nlist} "
+                                f"vectors (got {arr.size}) or create it with a smaller nlist")
+        seq = self.seq
+        self.index.train(v)
+        self._apply("add", arr, v, texts)
+        self.seq = seq + 1
+        try:
+            self.snapshot()
+        except BaseException:
+            self.index, self.ids, self.metadata, self.seq = build_index(self.cfg), set(), Metadata(), seq
+            raise
+
+    def remove(self, ids: Any) -> dict[str, Any]:
         arr = _check_ids(ids)
-        if not self.cfg.can_delete or (self.cfg.auto and not self.cfg.deletes):
-            what = "this auto index was created with deletes=false" if self.cfg.auto else \
-                f"{self.cfg.type}{' (re-ranked)' if self.cfg.k_factor else ''} indexes cannot delete vectors"
-            raise conflict(f"{what} (FAISS limitation); use a flat, ivf or auto index")
-        with self.lock:
+        if not self._replaceable:
+            raise conflict(f"{self._why_immutable} (FAISS limitation); use a flat, ivf or auto index")
+        with self.lock, persisting(f"delete from index {self.path.name!r}"):
             self._check_writable()
             self._check_open()
             present = np.array([i for i in arr.tolist() if i in self.ids], dtype=np.int64)
             missing = sorted(set(arr.tolist()) - set(present.tolist()))
             if present.size:
-                self.seq += 1
-                self.wal.append(self.seq, encode_record("remove", present, None, None))
+                seq = self.seq + 1
+                self.wal.append(seq, encode_record("remove", present, None, None))
                 self._apply("remove", present, None, None)
+                self.seq = seq
                 self._maybe_compact()
         return {"removed": int(present.size), "not_found": missing}
 
     def _maybe_compact(self) -> None:
+        """Snapshot a long WAL. The write that triggered it is already durable, so a failure is only logged
+        (the WAL still holds every record) and compaction is tried again after the next write."""
         if self.wal.size() > self.compact_bytes:
-            self.snapshot()
+            try:
+                self.snapshot()
+            except OSError as e:
+                log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
 
-    compact_bytes = 64 * 2**20
+    @property
+    def _replaceable(self) -> bool:
+        """Whether stored vectors can be removed (deleted or replaced); an auto index follows its ``deletes``."""
+        return self.cfg.can_delete and not (self.cfg.auto and not self.cfg.deletes)
+
+    @property
+    def _why_immutable(self) -> str:
+        if self.cfg.auto:
+            return "this auto index was created with deletes=false"
+        return f"{self.cfg.type}{' (re-ranked)' if self.cfg.k_factor else ''} indexes cannot remove vectors"
 
     # ---- GPU copy and auto re-tuning (both under ``lock``) -----------------------------------------------------
     @property
@@ -268,7 +345,8 @@ class ManagedIndex:
         return self.gpu_index
 
     def _sync_gpu(self, op: str, ids: np.ndarray, vecs: np.ndarray | None) -> None:
-        """Adds go to the GPU copy too; anything else drops it (rebuilt from the CPU index at the next search)."""
+        """Plain adds go to the GPU copy too; anything else drops it (rebuilt from the CPU index at the next
+        search)."""
         if self.gpu_index is None:
             return
         if op == "add" and self.index.is_trained:
@@ -280,25 +358,31 @@ class ManagedIndex:
         index_auto.maybe_retune(self)
 
     # ---- queries ----------------------------------------------------------------------------------------------
-    def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
+    def query(self, vecs: np.ndarray, k: int, nprobe: int | None = None,
+              ef_search: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """FAISS search: ``(scores (n, k'), ids (n, k'), {hit id: metadata JSON text})`` with ``k' = min(k,
+        ntotal)`` (FAISS allocates n x k results, so k beyond the index size would only cost memory)."""
         q = self._prepare(vecs)
         with self.lock:
             self._check_open()
-            if self.index.ntotal == 0:
-                return [[] for _ in range(q.shape[0])]
-            params = search_params(self.cfg, int(k), nprobe=nprobe, ef_search=ef_search)
-            dist, labels = self._searcher().search(q, int(k), params=params)
-            out = []
-            for drow, lrow in zip(dist.tolist(), labels.tolist(), strict=True):
-                hits = []
-                for d, i in zip(drow, lrow, strict=True):
-                    if i < 0:
-                        continue
-                    hit: dict[str, Any] = {"id": int(i), "score": float(d)}
-                    if i in self.metadata:
-                        hit["metadata"] = self.metadata[i]
-                    hits.append(hit)
-                out.append(hits)
+            k = min(int(k), int(self.index.ntotal))
+            if k == 0:
+                return np.zeros((q.shape[0], 0), np.float32), np.zeros((q.shape[0], 0), np.int64), {}
+            params = search_params(self.cfg, k, nprobe=nprobe, ef_search=ef_search)
+            scores, labels = self._searcher().search(q, k, params=params)
+            texts = {i: t for i in np.unique(labels).tolist() if i >= 0 and (t := self.metadata.text(i)) is not None}
+        return scores, labels, texts
+
+    def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
+        """:meth:`query` as ``[[{"id", "score", "metadata"?}, ...], ...]`` (for in-process callers)."""
+        scores, labels, texts = self.query(vecs, k, nprobe, ef_search)
+        out = []
+        for srow, lrow in zip(scores.tolist(), labels.tolist(), strict=True):
+            hits = []
+            for d, i in zip(srow, lrow, strict=True):
+                if i >= 0:
+                    hits.append({"id": i, "score": d, **({"metadata": json.loads(texts[i])} if i in texts else {})})
+            out.append(hits)
         return out
 
     @property
@@ -312,12 +396,15 @@ class ManagedIndex:
             return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
                     "device": self.search_device, "auto_tuning": auto,
                     "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
+                    "metadata_bytes": self.metadata.nbytes,
                     "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
                     else "squared L2 distance (lower is closer)"}
 
 
 def _check_ids(ids: Any) -> np.ndarray:
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1 and ids.size:
+        ids = ids.tolist()  # from the request model (already checked); checked again for in-process callers
     if not isinstance(ids, list) or not ids:
         raise unprocessable("ids must be a non-empty JSON list of integers")
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID for i in ids):
@@ -331,80 +418,3 @@ def _copy(path: Path) -> Path:
     dest = path.with_name(path.name + ".corrupt-copy")
     dest.write_bytes(path.read_bytes())
     return dest
-
-
-class IndexStore:
-    """All indexes under ``<data-dir>/indexes``; create/drop are serialised by one lock."""
-
-    def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0,
-                 root: Path | None = None, read_only: bool = False, device: str = "cpu"):
-        self.data_dir, self.read_only = data_dir, read_only
-        self.device = index_gpu.resolve_device(device)
-        self.root = root or data_dir / "indexes"
-        if not read_only:
-            self.root.mkdir(parents=True, exist_ok=True)
-        self.default_dim, self.model_id = default_dim, model_id
-        self.compact_bytes = int(compact_mb * 2**20)
-        self._lock = threading.Lock()
-        self.indexes: dict[str, ManagedIndex] = {}
-
-    def load_all(self) -> list[str]:
-        problems = []
-        for p in sorted(self.root.iterdir()) if self.root.is_dir() else []:
-            if not p.is_dir() or p.name.startswith("."):
-                continue
-            if self.read_only:  # a published snapshot is all or nothing: the caller keeps the previous one
-                self.indexes[p.name] = ManagedIndex.open_read_only(p, self.device)
-                continue
-            try:
-                idx = ManagedIndex.load(p, self.data_dir, self.device)
-                idx.compact_bytes = self.compact_bytes
-                self.indexes[p.name] = idx
-            except Exception as e:  # noqa: BLE001 - any parse failure means: quarantine, keep serving the rest
-                quarantine(self.data_dir, p, f"cannot load index: {e!r}")
-                problems.append(p.name)
-        return problems
-
-    def find(self, name: str) -> ManagedIndex | None:
-        return self.indexes.get(name)
-
-    def get(self, name: str) -> ManagedIndex:
-        idx = self.indexes.get(name)
-        if idx is None:
-            raise not_found(f"no index named {name!r}")
-        return idx
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [idx.stats() for idx in list(self.indexes.values())]
-
-    def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False) -> ManagedIndex:
-        if self.read_only:
-            raise read_only_replica()
-        with self._lock:
-            if name in self.indexes:
-                if exist_ok:
-                    return self.indexes[name]
-                raise conflict(f"index {name!r} already exists")
-            cfg = config_from_spec(spec, self.default_dim, self.model_id)
-            idx = ManagedIndex.create(self.root / name, cfg, self.device)
-            idx.compact_bytes = self.compact_bytes
-            self.indexes[name] = idx
-            return idx
-
-    def drop(self, name: str) -> None:
-        if self.read_only:
-            raise read_only_replica()
-        with self._lock:
-            idx = self.get(name)
-            with idx.lock:
-                idx.wal.close()
-                idx.closed = True
-                remove_durably(idx.path)
-            del self.indexes[name]
-
-    def close(self) -> None:
-        for idx in self.indexes.values():
-            try:
-                idx.close()
-            except Exception:
-                log.exception("closing index %s", idx.path.name)

@@ -30,6 +30,7 @@ class Metrics:
         self.queue_wait = Histogram("msn_queue_wait_seconds", "time from enqueue to batch start", registry=r,
                                     buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
         self.errors = Counter("msn_errors", "errors by kind", ["kind"], registry=r)
+        self.fits = Gauge("msn_fits_in_flight", "few-shot fits running or waiting for a worker", registry=r)
         self.ready = Gauge("msn_ready", "1 when warmed up and inference works", registry=r)
         self.model_info = Gauge("msn_model_info", "the model served (always 1; the labels say which)",
                                 ["model_id", "precision", "device"], registry=r)

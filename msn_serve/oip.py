@@ -10,8 +10,6 @@ takes (:mod:`msn_core.masks`). Output ``embedding`` FP32 [B,D]. Errors: ``{"erro
 """
 from __future__ import annotations
 
-import json
-import zlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -21,14 +19,13 @@ from fastapi import APIRouter, Request, Response
 from msn_core.bundle import BundleInfo
 from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
 
-from .errors import ApiError, bad_request, not_found, too_large
+from .errors import ApiError, bad_request, not_found
+from .jsonio import dumps, loads
+from .oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
+from .schemas import inline_schema
 from .service import Service
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
-HEADER = "Inference-Header-Content-Length"
-DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,
-          "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
-          "UINT64": np.uint64, "BOOL": np.bool_}
 
 
 def package_version() -> str:
@@ -111,68 +108,6 @@ async def model_config(model: str, request: Request, ver: str | None = None) -> 
             "instance_group": [{"count": 1, "kind": "KIND_GPU" if svc.engine.device == "cuda" else "KIND_CPU"}]}
 
 
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    if encoding in ("", "identity"):
-        return body
-    if encoding not in ("gzip", "deflate"):
-        raise ApiError(415, f"unsupported Content-Encoding {encoding!r}")
-    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise bad_request(f"cannot decompress request body: {e}") from None
-    if len(out) > limit:
-        raise too_large(f"decompressed request body exceeds {limit} bytes")
-    return out
-
-
-def _tensor(spec: dict[str, Any], blob: memoryview | None) -> np.ndarray:
-    name, dtype, shape = spec.get("name"), spec.get("datatype"), spec.get("shape")
-    if dtype not in DTYPES:
-        raise bad_request(f"input {name!r}: unsupported datatype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise bad_request(f"input {name!r}: shape must be a list of non-negative integers")
-    count = int(np.prod(shape)) if shape else 1
-    if blob is not None:
-        np_dtype = np.dtype(DTYPES[dtype]).newbyteorder("<")
-        if len(blob) != count * np_dtype.itemsize:
-            raise bad_request(f"input {name!r}: {len(blob)} bytes do not match shape {shape} of {dtype}")
-        arr = np.frombuffer(blob, dtype=np_dtype)
-    else:
-        if "data" not in spec:
-            raise bad_request(f"input {name!r}: no 'data' and no binary_data_size")
-        try:
-            arr = np.asarray(spec["data"], dtype=DTYPES[dtype]).reshape(-1)
-        except (TypeError, ValueError) as e:
-            raise bad_request(f"input {name!r}: data does not parse as {dtype} ({e})") from None
-        if arr.size != count:
-            raise bad_request(f"input {name!r}: {arr.size} elements do not match shape {shape}")
-    return arr.reshape(shape)
-
-
-def _parse(request_json: dict[str, Any], binary: bytes) -> dict[str, np.ndarray]:
-    inputs = request_json.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise bad_request("request needs a non-empty 'inputs' list")
-    tensors: dict[str, np.ndarray] = {}
-    offset, view = 0, memoryview(binary)
-    for spec in inputs:
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise bad_request("each input must be an object with a 'name'")
-        size = (spec.get("parameters") or {}).get("binary_data_size")
-        blob = None
-        if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise bad_request(f"input {spec['name']!r}: binary_data_size {size!r} exceeds the binary payload")
-            blob, offset = view[offset: offset + size], offset + size
-        if spec["name"] in tensors:
-            raise bad_request(f"input {spec['name']!r} given twice")
-        tensors[spec["name"]] = _tensor(spec, blob)
-    if offset != len(binary):
-        raise bad_request(f"{len(binary) - offset} trailing bytes after the binary inputs")
-    return tensors
-
-
 def _keep_rows(t: dict[str, np.ndarray], batch: int) -> list[np.ndarray]:
     """``keep_idx`` rows without their padding (``-1`` entries, or ``keep_mask`` False)."""
     ki, km = t["keep_idx"], t.get("keep_mask")
@@ -207,53 +142,34 @@ def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> l
             rows = _keep_rows(t, px.shape[0])
             keeps = [check_keep(row, info.num_patches, f"keep_idx row {r}") for r, row in enumerate(rows)]
         else:
-            keeps = resolve_masks(json.loads(mask) if isinstance(mask, str) else mask, px.shape[0], info.grid)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"parameters.mask: not valid JSON ({e.msg} at position {e.pos})") from None
+            spec = loads(mask, "parameters.mask", status=400) if isinstance(mask, str) else mask
+            keeps = resolve_masks(spec, px.shape[0], info.grid)
     except MaskError as e:
         raise bad_request(str(e)) from None
     return list(zip(px, keeps, strict=True))
 
 
-@router.post("/models/{model}/infer")
+@router.post("/models/{model}/infer", openapi_extra={"requestBody": {"content": {"application/json": {
+    "schema": inline_schema(InferRequest)}}}})
 @router.post("/models/{model}/versions/{ver}/infer")
 async def infer(model: str, request: Request, ver: str | None = None) -> Response:
     svc = _model(request, model)
-    limit = int(svc.settings.max_body_mb * 2**20)
-    body = _decompress(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
-    hlen = request.headers.get(HEADER)
-    if hlen is not None:
-        if not hlen.isdigit() or int(hlen) > len(body):
-            raise bad_request(f"{HEADER} {hlen!r} is not a valid length for a {len(body)}-byte body")
-        head, binary = body[: int(hlen)], body[int(hlen):]
-    else:
-        head, binary = body, b""
-    try:
-        req = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"inference request header is not valid JSON ({e})") from None
-    if not isinstance(req, dict):
-        raise bad_request("inference request must be a JSON object")
-    params = req.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise bad_request("'parameters' must be an object")
-    items = oip_items(svc.info, _parse(req, binary), params.get("mask"))
-    svc.check_count(len(items))
-    outputs = req.get("outputs") or []
-    if not isinstance(outputs, list) or any(not isinstance(o, dict) or o.get("name") != "embedding" for o in outputs):
+    limit = svc.settings.max_body_bytes
+    body = decompress(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
+    head, binary = split_body(body, request.headers.get(HEADER))
+    req = parse_request(head)
+    items = oip_items(svc.info, tensors(req, binary, limit), req.parameters.mask)
+    if any(o.name != "embedding" for o in req.outputs or []):
         raise bad_request("the only output is 'embedding'")
-    binary_out = bool(params.get("binary_data_output", False))
-    for o in outputs:
-        binary_out = bool((o.get("parameters") or {}).get("binary_data", binary_out))
-    emb = await svc.batcher.embed(items)
+    emb = await svc.embed_items(items)
     out: dict[str, Any] = {"name": "embedding", "datatype": "FP32", "shape": list(emb.shape)}
     resp: dict[str, Any] = {"model_name": svc.info.model_id, "model_version": "1", "outputs": [out]}
-    if "id" in req:
-        resp["id"] = req["id"]
-    if not binary_out:
+    if req.id is not None:
+        resp["id"] = req.id
+    if not req.binary_output:
         out["data"] = emb.reshape(-1).tolist()
-        return Response(json.dumps(resp), media_type="application/json")
+        return Response(dumps(resp), media_type="application/json")
     raw = emb.astype("<f4").tobytes()
     out["parameters"] = {"binary_data_size": len(raw)}
-    header = json.dumps(resp).encode()
+    header = dumps(resp).encode()
     return Response(header + raw, media_type="application/octet-stream", headers={HEADER: str(len(header))})

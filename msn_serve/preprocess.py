@@ -2,15 +2,21 @@
 
 Order of operations follows ``msn.json``: EXIF orientation, conversion to RGB (or L), resize of the shorter side
 to ``resize`` with the bundle's interpolation, centre crop to ``crop``, scale to [0, 1], normalise by mean/std.
-Pixel limits are checked from the header *before* any decoding, so a 20000x20000 bomb costs a few bytes of I/O.
+Pixel limits (per image, and per request through a shared :class:`PixelBudget`) are checked from the header
+*before* any decoding, so a 20000x20000 bomb costs a few bytes of I/O. A large image is shrunk first, by an
+integer factor that keeps its shorter side at least twice ``resize`` (Pillow's ``reducing_gap=2``): JPEGs in the
+decoder (``draft``, DCT scaling), others by box-averaging (``reduce``; numpy for 16-bit), and only then converted,
+so converting 16-bit or float pixels costs in proportion to the output, not to the upload.
 """
 from __future__ import annotations
 
 import io
+import math
+import threading
 import warnings
 
 import numpy as np
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from msn_core.bundle import Preprocessing
 
@@ -29,8 +35,31 @@ _RESAMPLE = {
 }
 
 
-def decode_image(data: bytes, *, max_pixels: int, what: str = "image") -> Image.Image:
-    """Decode bytes into an upright RGB/L-compatible PIL image, or raise a 4xx :class:`ApiError`."""
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}  # EXIF orientation -> the transpose that makes the image upright
+_REDUCIBLE = {"L", "LA", "La", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr", "I", "F"}
+
+
+class PixelBudget:
+    """Decoded pixels one request may still spend; its images (decoded in parallel) share it."""
+
+    def __init__(self, limit: int):
+        self.limit, self.left = limit, limit
+        self._lock = threading.Lock()
+
+    def take(self, pixels: int, what: str) -> None:
+        with self._lock:
+            if pixels > self.left:
+                raise too_large(f"{what}: its {pixels} pixels would pass this request's budget of {self.limit} "
+                                "decoded pixels (max_request_pixels); send fewer or smaller images")
+            self.left -= pixels
+
+
+def decode_image(data: bytes, *, max_pixels: int, what: str = "image", budget: PixelBudget | None = None,
+                 short_side: int = 0) -> Image.Image:
+    """Decode bytes into an upright PIL image, shrunk to no less than ``short_side`` on its shorter side if that
+    is given, or raise a 4xx :class:`ApiError`."""
     if not data:
         raise unprocessable(f"{what}: empty file")
     try:
@@ -41,11 +70,21 @@ def decode_image(data: bytes, *, max_pixels: int, what: str = "image") -> Image.
             if w < 1 or h < 1:
                 raise unprocessable(f"{what}: image has zero size {w}x{h}")
             if w * h > max_pixels:
-                raise too_large(f"{what}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+                raise too_large(f"{what}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} "
+                                "(max_image_pixels)")
+            if budget is not None:
+                budget.take(w * h, what)
             if getattr(im, "n_frames", 1) > 1:
                 im.seek(0)  # animated GIF/APNG/TIFF: the first frame is the image
+            if short_side and im.format == "JPEG" and min(w, h) >= 2 * short_side:
+                scale = short_side / min(w, h)  # the decoder scales by 1/2, 1/4 or 1/8, never below this size
+                im.draft(None, (math.ceil(w * scale), math.ceil(h * scale)))
+            orientation = im.getexif().get(0x0112, 1)
             im.load()
-            im = ImageOps.exif_transpose(im)
+            if short_side:
+                im = shrink(im, short_side)
+            if orientation in _TRANSPOSE:
+                im = im.transpose(_TRANSPOSE[orientation])
     except ApiError:
         raise
     except UnidentifiedImageError:
@@ -56,6 +95,23 @@ def decode_image(data: bytes, *, max_pixels: int, what: str = "image") -> Image.
         # Pillow reports truncated/corrupt data as OSError/SyntaxError/ValueError depending on the codec.
         raise unprocessable(f"{what}: corrupt or truncated image ({e})") from None
     return im
+
+
+def shrink(im: Image.Image, short_side: int) -> Image.Image:
+    """Box-average by the largest integer factor that keeps the shorter side >= ``short_side``; small images and
+    modes whose pixels cannot be averaged (palette, bilevel: converted first) are handled exactly as before."""
+    factor = min(im.size) // short_side
+    if factor < 2:
+        return im
+    if im.mode.startswith("I;16"):  # Pillow cannot reduce 16-bit modes: average in numpy, keep the 16-bit range
+        arr = np.asarray(im)
+        h, w = arr.shape[0] // factor, arr.shape[1] // factor
+        mean = arr[: h * factor, : w * factor].reshape(h, factor, w, factor).mean(axis=(1, 3), dtype=np.float64)
+        return Image.fromarray(np.rint(mean).astype(np.int32), mode="I")
+    if im.mode not in _REDUCIBLE:
+        im = im.convert("RGBA" if im.mode == "P" and "transparency" in im.info else
+                        "L" if im.mode in ("1", "L") else "RGB")
+    return im.reduce(factor)
 
 
 def to_mode(im: Image.Image, channels: int) -> Image.Image:
@@ -110,9 +166,10 @@ def normalise(im: Image.Image, pre: Preprocessing) -> np.ndarray:
     return np.ascontiguousarray(((arr - mean) / std).transpose(2, 0, 1), dtype=np.float32)
 
 
-def preprocess_bytes(data: bytes, pre: Preprocessing, *, max_pixels: int, what: str = "image") -> np.ndarray:
+def preprocess_bytes(data: bytes, pre: Preprocessing, *, max_pixels: int, what: str = "image",
+                     budget: PixelBudget | None = None) -> np.ndarray:
     """The full pipeline for one uploaded file; raises 4xx :class:`ApiError` on bad input."""
-    im = decode_image(data, max_pixels=max_pixels, what=what)
+    im = decode_image(data, max_pixels=max_pixels, what=what, budget=budget, short_side=2 * pre.resize)
     try:
         im = to_mode(im, pre.channels)
         im = resize_crop(im, pre)

@@ -25,7 +25,7 @@ from typing import Any
 from msn_core.durable import atomic_write, fsync_path
 
 from .fewshot import ClassifierStore
-from .indexes import IndexStore
+from .index_store import IndexStore
 from .storage import remove_durably
 
 log = logging.getLogger("msn_serve.publish")

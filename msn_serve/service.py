@@ -1,8 +1,9 @@
 """The process-wide service object: bundle, engine, batcher, stores, metrics and readiness.
 
-Route modules stay thin: they parse a request into a :class:`~msn_serve.inputs.Payload` and call the methods here,
-which own the policies (where preprocessing runs, how masks map to tokens, what a fit or an add checks, when an
-index is created on the fly, when the service counts as ready).
+Route modules stay thin: they read a request into its model (:mod:`msn_serve.schemas`, where types and the
+request-size limits live) and call the methods here, which own the policies (where preprocessing runs, how masks
+map to tokens, what a fit or an add checks, when an index is created on the fly, how large a result may be, when the
+service counts as ready).
 """
 from __future__ import annotations
 
@@ -24,14 +25,23 @@ from msn_core.masks import MaskError, resolve_masks
 from .batcher import Batcher
 from .config import Settings
 from .engine import Engine
-from .errors import ApiError, check_name, conflict, read_only_replica, unprocessable
-from .fewshot import ClassifierStore, FewShotClassifier
-from .fewshot import fit as fit_classifier
-from .indexes import IndexStore
-from .inputs import Payload
+from .errors import ApiError, check_name, conflict, read_only_replica, too_large, unprocessable
+from .fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
+from .fitpool import FitPool
+from .index_store import IndexStore
 from .metrics import Metrics
-from .preprocess import preprocess_bytes
+from .preprocess import PixelBudget, preprocess_bytes
 from .publish import current_version, load_version, publish, state_signature
+from .responses import check_results, predictions_body, search_body
+from .schemas import (
+    EmbedRequest,
+    FitRequest,
+    IndexAddRequest,
+    IndexDeleteRequest,
+    PredictRequest,
+    RequestModel,
+    SearchRequest,
+)
 from .storage import clean_temp_files, lock_data_dir
 
 log = logging.getLogger("msn_serve")
@@ -72,7 +82,7 @@ class Service:
             self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id)
             self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim,
                                       model_id=self.info.model_id, compact_mb=settings.wal_compact_mb,
-                                      device=settings.device)
+                                      metadata_mb=settings.max_index_metadata_mb, device=settings.device)
             self.quarantined = self.classifiers.load_all() + self.indexes.load_all()
         self._published_signature: tuple | None = None
         self._admin_lock: asyncio.Lock | None = None
@@ -81,6 +91,9 @@ class Service:
         # without oversubscribing the cores ONNX Runtime uses.
         self.pre_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="msn-pre")
         self.work_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="msn-work")
+        self.fits = FitPool(workers=settings.fit_workers, max_queued=settings.max_queued_fits,
+                            timeout_s=settings.fit_timeout_s, threads=settings.fit_threads,
+                            on_change=self.metrics.fits.set)
         self.warmed = False
         self.warmup_error: str | None = None
         self.started = time.time()
@@ -192,6 +205,7 @@ class Service:
         if self.batcher is not None:
             await self.batcher.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.indexes.close)
+        self.fits.close()
         self.pre_pool.shutdown(wait=False)
         self.work_pool.shutdown(wait=True)
 
@@ -221,11 +235,12 @@ class Service:
         return await asyncio.get_running_loop().run_in_executor(self.work_pool, fn, *args)
 
     async def preprocess(self, images: list[tuple[str, bytes]]) -> list[np.ndarray]:
+        """Decode and transform a request's images in the pre-processing pool, within its pixel budget."""
         loop = asyncio.get_running_loop()
         pre, limit = self.info.preprocessing, self.settings.max_image_pixels
-        tasks = [loop.run_in_executor(self.pre_pool, lambda d=d, w=w: preprocess_bytes(d, pre, max_pixels=limit,
-                                                                                           what=w))
-                 for w, d in images]
+        budget = PixelBudget(self.settings.max_request_pixels)
+        tasks = [loop.run_in_executor(self.pre_pool, lambda d=d, w=w: preprocess_bytes(
+            d, pre, max_pixels=limit, what=w, budget=budget)) for w, d in images]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
             if isinstance(r, ApiError):
@@ -236,90 +251,113 @@ class Service:
                 raise unprocessable(f"could not preprocess image: {r!r}")
         return results  # type: ignore[return-value]
 
-    async def embed_payload(self, payload: Payload, *,
-                            normalize: bool = False) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Embed the payload's images under its ``mask`` field: ``(embeddings (n, D), keep_idx per image)``."""
-        if not payload.images:
+    async def embed_images(self, images: list[tuple[str, bytes]], mask: Any) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Embed images under a mask specification: ``(embeddings (n, D), keep_idx per image)``."""
+        if not images:
             raise unprocessable("no image: send files as 'image'/'images' (multipart) or base64 in JSON")
-        if self.batcher is None:
-            raise ApiError(503, "service is starting")
         try:
-            keeps = resolve_masks(payload.json_field("mask"), len(payload.images), self.info.grid)
+            keeps = resolve_masks(mask, len(images), self.info.grid)
         except MaskError as e:
             raise unprocessable(str(e)) from None
-        pixels = await self.preprocess(payload.images)
-        emb = await self.batcher.embed(list(zip(pixels, keeps, strict=True)))
-        if normalize:
+        pixels = await self.preprocess(images)
+        return await self.embed_items(list(zip(pixels, keeps, strict=True)), status=422), keeps
+
+    async def embed_items(self, items: list[tuple[np.ndarray, np.ndarray]], *, status: int = 400) -> np.ndarray:
+        """Embed preprocessed ``(pixels, keep_idx)`` items through the shared batches (``/embed`` and OIP)."""
+        self.check_count(len(items))
+        if self.batcher is None:
+            raise ApiError(503, "service is starting", headers={"Retry-After": "1"})
+        emb = await self.batcher.embed(items)
+        if not np.isfinite(emb).all():  # e.g. OIP pixel values far outside the normalised range
+            raise ApiError(status, "the input produced non-finite embeddings (values far outside the model's "
+                                   "normalised input range?)")
+        return emb
+
+    async def embed(self, req: EmbedRequest) -> tuple[np.ndarray, list[np.ndarray]]:
+        emb, keeps = await self.embed_images(req.images, req.mask)
+        if req.normalize:
             emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
         return emb, keeps
 
     def check_count(self, n: int) -> None:
         if n > self.settings.max_images_per_request:
-            raise ApiError(413, f"at most {self.settings.max_images_per_request} images/vectors per request")
+            raise too_large(f"{n} images exceed the limit of {self.settings.max_images_per_request} per request "
+                            "(max_images_per_request)")
 
-    async def vectors(self, payload: Payload, field: str, dim: int) -> np.ndarray:
-        """The vectors sent in ``field``, or else the embeddings of the payload's images (never both)."""
-        vecs = payload.matrix(field, dim)
-        if vecs is not None and payload.images:
+    async def vectors(self, req: RequestModel, given: np.ndarray | None, field: str, dim: int) -> np.ndarray:
+        """The vectors sent in ``field``, or else the embeddings of the request's images (never both)."""
+        if given is not None and req.images:
             raise unprocessable(f"send either images or {field}, not both")
-        if vecs is not None:
-            return vecs
+        if given is not None:
+            if given.shape[1] != dim:
+                raise unprocessable(f"{field}: expected vectors of dimension {dim}, got {given.shape[1]}")
+            return given
         if dim != self.info.embed_dim:
             raise unprocessable(f"expected vectors of dimension {dim}; the model embeds images to "
                                 f"{self.info.embed_dim}: send {field}")
-        emb, _ = await self.embed_payload(payload)
+        emb, _ = await self.embed_images(req.images, getattr(req, "mask", None))
         return emb
 
+    @staticmethod
+    def _queries(req: RequestModel, given: np.ndarray | None) -> int:
+        return len(given) if given is not None else len(req.images)
+
     # ---- few-shot classifiers and indexes: what a request may do -----------------------------------------------
-    async def fit_classifier(self, payload: Payload) -> FewShotClassifier:
-        """Fit and store a classifier from images or embeddings and their labels (``lambd`` defaults to the
-        settings', which default to the low-shot protocol's)."""
+    async def fit_classifier(self, req: FitRequest) -> FewShotClassifier:
+        """Fit (in a worker process) and store a classifier from images or embeddings and their labels
+        (``lambd`` defaults to the settings', which default to the low-shot protocol's)."""
         self.require_writer()
-        name = check_name(payload.string("name") or "", "classifier name")
-        labels = payload.json_field("labels")
-        if not isinstance(labels, list) or not labels or not all(
-                isinstance(v, (str, int)) and not isinstance(v, bool) for v in labels):
-            raise unprocessable("labels: expected a non-empty JSON list of strings (one per image/embedding)")
-        labels = [str(v) for v in labels]
-        lambd = payload.number("lambd", self.settings.default_lambd)
-        overwrite = payload.boolean("overwrite", False)
-        self.classifiers.check_free(name, overwrite=overwrite)  # before the embedding and fitting work
-        x = await self.vectors(payload, "embeddings", self.info.embed_dim)
-        if len(labels) != len(x):
-            raise unprocessable(f"{len(labels)} labels for {len(x)} images/embeddings")
-        clf = await self.run_work(lambda: fit_classifier(name, x, labels, lambd=lambd,
-                                                         threads=self.settings.fit_threads))
-        await self.run_work(lambda: self.classifiers.put(clf, overwrite=overwrite))
+        s = self.settings
+        self.classifiers.check_free(req.name, overwrite=req.overwrite)  # before the embedding and fitting work
+        if len(req.labels) != self._queries(req, req.embeddings):
+            raise unprocessable(f"{len(req.labels)} labels for {self._queries(req, req.embeddings)} "
+                                "images/embeddings")
+        x = await self.vectors(req, req.embeddings, "embeddings", self.info.embed_dim)
+        await self.run_work(lambda: check_fit_data(x, req.labels, max_classes=s.max_fit_classes))
+        lambd = req.lambd if req.lambd is not None else s.default_lambd
+        model = await self.fits.fit(x, req.labels, lambd=lambd)
+        clf = from_fit(req.name, model, req.labels, dim=int(x.shape[1]), lambd=lambd, seconds=model.fit_seconds)
+        await self.run_work(lambda: self.classifiers.put(clf, overwrite=req.overwrite))
         return clf
 
-    async def predict(self, name: str, payload: Payload) -> list[list[dict[str, Any]]]:
+    async def predict(self, name: str, req: PredictRequest) -> bytes:
+        """Top-k labels with probabilities for each image/embedding, as a size-capped JSON body."""
         clf = self.classifiers.get(check_name(name, "classifier name"))
-        k = payload.integer("k", 5, 1, 10_000)
-        return clf.predict(await self.vectors(payload, "embeddings", self.info.embed_dim), k)
+        s = self.settings
+        check_results(self._queries(req, req.embeddings), min(req.k, len(clf.classes)), s.max_results_per_request)
+        x = await self.vectors(req, req.embeddings, "embeddings", self.info.embed_dim)
+        top, prob = await self.run_work(clf.top_k, x, req.k)
+        head = {"name": name, "model_id": self.info.model_id}
+        return await self.run_work(predictions_body, head, clf.classes, top, prob, s.max_response_bytes)
 
-    async def add_to_index(self, name: str, payload: Payload) -> dict[str, Any]:
-        """Add vectors (or embedded images) under ids; a missing index is created with the default options."""
+    async def add_to_index(self, name: str, req: IndexAddRequest) -> dict[str, Any]:
+        """Add (or replace) vectors or embedded images under ids; a missing index is created with the defaults."""
         self.require_writer()
         check_name(name, "index name")
-        ids, metadata = payload.json_field("ids"), payload.json_field("metadata")
         idx = self.indexes.find(name)
-        vecs = await self.vectors(payload, "vectors", idx.cfg.dim if idx is not None else self.info.embed_dim)
+        vecs = await self.vectors(req, req.vectors, "vectors", idx.cfg.dim if idx is not None else self.info.embed_dim)
         if idx is None:
             idx = await self.run_work(lambda: self.indexes.create(name, {"dim": vecs.shape[1]}, exist_ok=True))
-        added = await self.run_work(idx.add, ids, vecs, metadata)
-        return {"name": name, "added": added, "ntotal": idx.ntotal}
+        out = await self.run_work(idx.add, req.ids, vecs, req.metadata)
+        return {"name": name, **out, "ntotal": idx.ntotal}
 
-    async def search_index(self, name: str, payload: Payload) -> dict[str, Any]:
+    async def search_index(self, name: str, req: SearchRequest) -> bytes:
+        """k nearest neighbours of each query, as a size-capped JSON body; k is capped at the index size."""
         idx = self.indexes.get(check_name(name, "index name"))
-        k = payload.integer("k", 10, 1, 10_000)
-        nprobe = payload.integer("nprobe", idx.cfg.nprobe, 1, 1 << 20)
-        ef = payload.integer("ef_search", idx.cfg.ef_search, 1, 1 << 16)
-        vecs = await self.vectors(payload, "vectors", idx.cfg.dim)
-        results = await self.run_work(lambda: idx.search(vecs, k, nprobe, ef))
-        return {"name": name, "metric": idx.cfg.metric, "k": k, "results": results}
+        s = self.settings
+        queries = self._queries(req, req.vectors)
+        if queries > s.max_queries_per_search:
+            raise too_large(f"{queries} query images exceed the limit of {s.max_queries_per_search} "
+                            "(max_queries_per_search)")
+        k = min(req.k, idx.ntotal)
+        check_results(queries, k, s.max_results_per_request)
+        vecs = await self.vectors(req, req.vectors, "vectors", idx.cfg.dim)
+        scores, ids, texts = await self.run_work(idx.query, vecs, k, req.nprobe, req.ef_search)
+        head = {"name": name, "metric": idx.cfg.metric, "k": req.k}
+        return await self.run_work(search_body, head, scores, ids, texts, s.max_response_bytes)
 
-    async def remove_from_index(self, name: str, payload: Payload) -> dict[str, Any]:
+    async def remove_from_index(self, name: str, req: IndexDeleteRequest) -> dict[str, Any]:
         self.require_writer()
         idx = self.indexes.get(check_name(name, "index name"))
-        out = await self.run_work(idx.remove, payload.json_field("ids"))
+        out = await self.run_work(idx.remove, req.ids)
         return {"name": name, **out, "ntotal": idx.ntotal}

@@ -7,20 +7,38 @@ at start-up are moved under ``<data-dir>/quarantine/`` with a logged reason inst
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
-from msn_core.durable import fsync_path
+from msn_core.durable import fsync_path, write_all
+
+from .errors import storage_error
 
 log = logging.getLogger("msn_serve.storage")
 
 _MAGIC = b"MSNW"
 _HEAD = struct.Struct("<4sIIQ")  # magic, payload length, crc32(seq + payload), sequence number
+
+
+@contextlib.contextmanager
+def persisting(what: str) -> Iterator[None]:
+    """Turn a failed disk operation (ENOSPC, EIO, ...) into a 507/503 for the client, logged once here.
+
+    The code inside must leave memory and disk as they were when it raises (or in a state a restart reads as
+    either the old or the new one), so the client can simply retry.
+    """
+    try:
+        yield
+    except OSError as e:
+        log.error("%s: write failed (%s); rolled back", what, e)
+        raise storage_error(e, what) from e
 
 
 def remove_durably(path: Path) -> None:
@@ -76,11 +94,18 @@ def lock_data_dir(data_dir: Path) -> int:
 
 
 class WriteAheadLog:
-    """Append-only log of opaque payloads; each ``append`` is fsync'd before it returns."""
+    """Append-only log of opaque payloads; each ``append`` is fsync'd before it returns, or rolled back.
+
+    A failed append (ENOSPC, EIO, from the write or from the fsync) leaves no trace: the file is cut back to the last
+    good offset before the error propagates, and if even that fails, before the next append. So a later append never
+    carries a failed one's bytes with it, and the caller's sequence number is only advanced after a success.
+    """
 
     def __init__(self, path: Path):
         self.path = path
-        self._f = open(path, "ab")  # noqa: SIM115 - kept open for the life of the index
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._good = os.fstat(self._fd).st_size  # end of the last record known to be durable
+        self._dirty = False  # bytes past _good may exist (a failed append not yet cut off)
 
     @staticmethod
     def read(path: Path) -> tuple[list[tuple[int, bytes]], int, str | None]:
@@ -107,19 +132,37 @@ class WriteAheadLog:
         return out, pos, None
 
     def append(self, seq: int, payload: bytes) -> None:
+        self._cut_back()
         crc = zlib.crc32(payload, zlib.crc32(struct.pack("<Q", seq)))
-        self._f.write(_HEAD.pack(_MAGIC, len(payload), crc, seq) + payload)
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        record = _HEAD.pack(_MAGIC, len(payload), crc, seq) + payload
+        try:
+            write_all(self._fd, record)
+            os.fsync(self._fd)
+        except OSError:
+            self._dirty = True
+            try:
+                self._cut_back()
+            except OSError:
+                log.error("%s: cannot cut back a failed append yet; the next append will retry", self.path)
+            raise
+        self._good += len(record)
+
+    def _cut_back(self) -> None:
+        if self._dirty:
+            os.ftruncate(self._fd, self._good)
+            os.fsync(self._fd)
+            self._dirty = False
 
     def size(self) -> int:
-        return self._f.tell()
+        return self._good
 
     def truncate(self, length: int = 0) -> None:
-        self._f.flush()
-        self._f.truncate(length)
-        self._f.seek(length)
-        os.fsync(self._f.fileno())
+        os.ftruncate(self._fd, length)
+        self._good, self._dirty = length, True  # until the fsync below, the old bytes may come back
+        os.fsync(self._fd)
+        self._dirty = False
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -123,7 +123,10 @@ def build_schedules(cfg: Config, total_steps: int, steps_per_epoch: int) -> Sche
     """
     o = cfg.optim
     by_epochs = o.total_steps is None and o.budget_minutes is None
-    warmup_steps = int(o.warmup_epochs * steps_per_epoch) if by_epochs else int(o.warmup_epochs / o.epochs * total_steps)
+    if by_epochs:
+        warmup_steps = int(o.warmup_epochs * steps_per_epoch)
+    else:
+        warmup_steps = round(o.warmup_epochs / o.epochs * total_steps)
     return Schedules(
         total_steps=total_steps, warmup_steps=warmup_steps,
         start_lr=o.start_lr, ref_lr=o.lr, final_lr=o.final_lr, ref_weight_decay=o.weight_decay,

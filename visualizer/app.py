@@ -5,15 +5,19 @@ API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; th
 endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users. The random
 and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.masks` (the status line shows the
 specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
-Sampling runs through Gradio's queue with a bounded concurrency.
+Sampling runs through Gradio's queue with a bounded concurrency. Outside localhost, protect it with a login
+(:func:`password_check`: user:password lines, or the msn-serve API key as the password).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ from visualizer.masks import MODES, keep_bitmap, mask_spec
 from visualizer.pipeline import RCDMPipeline, load_image
 from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
 
-__all__ = ["build_app", "example_images", "launch"]
+__all__ = ["build_app", "example_images", "launch", "password_check"]
 
 log = logging.getLogger("msn.visualize")
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
@@ -243,15 +247,54 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
     return demo
 
 
+def password_check(auth_file: str | Path | None = None,
+                   api_key_file: str | Path | None = None) -> Callable[[str, str], bool] | None:
+    """Gradio's ``auth`` callable: ``auth_file`` holds ``user:password`` lines; with ``api_key_file`` (the key
+    msn-serve uses) any user name logs in with the key as its password. Compared in constant time; ``None`` when
+    neither is given (no login)."""
+    users: dict[str, str] = {}
+    if auth_file is not None:
+        for n, line in enumerate(Path(auth_file).read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                user, sep, password = line.strip().partition(":")
+                if not sep or not user or not password:
+                    raise ValueError(f"{auth_file}:{n}: expected user:password")
+                users[user] = password
+    key = Path(api_key_file).read_text(encoding="utf-8").strip() if api_key_file is not None else None
+    if api_key_file is not None and not key:
+        raise ValueError(f"API key file {api_key_file} is empty")
+    if not users and key is None:
+        return None
+
+    def check(user: str, password: str) -> bool:
+        ok = key is not None and hmac.compare_digest(password.encode(), key.encode())
+        expected = users.get(user)
+        return ok or (expected is not None and hmac.compare_digest(password.encode(), expected.encode()))
+
+    return check
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def launch(bundle: str | Path, decoder: str | Path, *, compare: tuple[Path, Path] | None = None,
            host: str = "127.0.0.1", port: int = 7860, device: str = "cpu", concurrency: int = 2,
-           block: bool = True) -> gr.Blocks:
-    """Load the pipelines, write the examples, start the server (``block=False`` returns once it listens)."""
+           block: bool = True, auth: Callable[[str, str], bool] | None = None) -> gr.Blocks:
+    """Load the pipelines, write the examples, start the server (``block=False`` returns once it listens).
+    ``auth`` (see :func:`password_check`) puts a login page in front of the app and its API."""
+    if auth is None and not _is_loopback(host):
+        log.warning("msn-visualize app is listening on %s without a login: anyone who can reach it can use it "
+                    "(--auth-file or --api-key-file adds one)", host)
     primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
     second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
     examples_dir = Path(tempfile.gettempdir()) / f"msn-visualize-examples-{os.getuid()}"  # reused across launches
     demo = build_app(primary, second, examples=example_images(examples_dir))
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
-    demo.launch(server_name=host, server_port=port, allowed_paths=[str(examples_dir)],
+    demo.launch(server_name=host, server_port=port, allowed_paths=[str(examples_dir)], auth=auth,
+                auth_message="msn-visualize: log in (user:password from --auth-file, or any user with the API key)",
                 prevent_thread_lock=not block, show_error=True, max_file_size="20mb", ssr_mode=False)
     return demo

@@ -4,6 +4,7 @@
     msn-visualize sample --bundle B --decoder runs/rcdm --image shoe.png --mask-ratio 0.7 --num-samples 8 --out grid.png
     msn-visualize sample ... --mask '{"ratio": 0.7, "seed": 1}'   # any /embed mask specification
     msn-visualize app    --bundle B --decoder runs/rcdm --port 7860
+    msn-visualize app    ... --host 0.0.0.0 --api-key-file key.txt     # outside localhost: require a login
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     app.add_argument("--port", type=int, default=7860)
     app.add_argument("--device", default="cpu")
     app.add_argument("--concurrency", type=int, default=2, help="sampling requests run at once")
+    app.add_argument("--auth-file", type=Path, default=os.environ.get("MSN_VISUALIZE_AUTH_FILE"),
+                     help="require a login: a file of user:password lines (env MSN_VISUALIZE_AUTH_FILE)")
+    app.add_argument("--api-key-file", type=Path, default=os.environ.get("MSN_VISUALIZE_API_KEY_FILE"),
+                     help="require a login whose password is this key (msn-serve's key file works; any user "
+                          "name; env MSN_VISUALIZE_API_KEY_FILE)")
     app.add_argument("--share", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -122,12 +129,16 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _app(args: argparse.Namespace) -> int:
-    from visualizer.app import launch
+    from visualizer.app import launch, password_check
 
     if (args.compare_bundle is None) != (args.compare_decoder is None):
         raise SystemExit("msn-visualize app: --compare-bundle and --compare-decoder go together")
+    try:
+        auth = password_check(args.auth_file, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"msn-visualize app: {exc}") from None
     launch(args.bundle, args.decoder, compare=(args.compare_bundle, args.compare_decoder) if args.compare_bundle
-           else None, host=args.host, port=args.port, device=args.device, concurrency=args.concurrency)
+           else None, host=args.host, port=args.port, device=args.device, concurrency=args.concurrency, auth=auth)
     return 0
 
 

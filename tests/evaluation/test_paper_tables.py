@@ -60,43 +60,49 @@ def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
     assert "test cpu" in text and "100 DDPM steps" in text and "(rcdm_samples.png)" in text
 
 
-def test_budget_curve_plans_one_schedule_and_renders_its_table(tmp_path, capsys):
+def test_budget_curve_plans_one_run_per_budget_and_renders_its_table(tmp_path, capsys):
     from benchmarks import budget_curve
     from benchmarks.results_report import render
 
-    assert budget_curve.main(["--dry-run", "--epochs", "3", "--workdir", str(tmp_path)]) == 0
+    assert budget_curve.main(["--dry-run", "--budgets", "10", "30", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    pretrain = [line for line in out.splitlines() if "training/pretrain.py" in line]
-    assert len(pretrain) == 1 and "--set optim.epochs=3 --set run.keep_epoch_checkpoints=1" in pretrain[0]
-    for epoch in (1, 2, 3):
-        assert f"checkpoint-ep000{epoch}.pt" in out and f"ep000{epoch}-lowshot.json" in out
+    pretrain = [line for line in out.splitlines() if "training.pretrain" in line]
+    assert len(pretrain) == 2 and all("--set optim.budget_minutes=" in line for line in pretrain)
+    for name in ("budget-10min", "budget-30min"):
+        assert f"{name}-lowshot.json" in out and f"{name}-knn.json" in out
     assert "pixels-lowshot.json" in out and "random_init-knn.json" in out
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
     rows = [{"setting": "1imgs_class", "mean": 55.5, "std": 0.5}]
-    result = {"machine": "test cpu", "config": "configs/x.yaml", "epochs": 3, "eval_epochs": [1, 3],
-              "pretrain_step_seconds": 600.0, "eval_seconds": 120.0,
-              "evals": {"ep0003-lowshot": {"results": rows}, "pixels-knn": {"results": [{"top1": 80.25}]}}}
+    run = {"steps": 900, "epochs": 2, "images_per_sec": 300.0, "wall_minutes": 10.2, "load_before": 0.1,
+           "load_after": 1.9}
+    result = {"machine": "test cpu", "config": "configs/x.yaml", "seed": 0, "budgets": [10],
+              "runs": {"budget-10min": run},
+              "evals": {"budget-10min-lowshot": {"results": rows}, "pixels-knn": {"results": [{"top1": 80.25}]}}}
     (tmp_path / "budget_curve.json").write_text(json.dumps(result))
     text = render(tmp_path)
-    assert "| MSN after 3 epochs | 55.5 ± 0.5 | n/a | n/a | n/a | n/a |" in text
+    assert "| MSN, 10 min (900 steps, 300 img/s, 2 epochs) | 55.5 ± 0.5 | n/a | n/a | n/a | n/a |" in text
     assert "| raw pixels | n/a | n/a | n/a | n/a | 80.2 |" in text
-    assert "test cpu" in text and "10 min of optimiser steps" in text
-    assert "MSN above raw pixels at 1, 2 and 5 images per class: n/a." in text
+    assert "test cpu" in text and "10 min: 0.10" in text
 
 
-def test_budget_verdict_names_the_epoch_from_which_msn_stays_above(tmp_path):
+def test_budget_verdict_compares_with_pixels_and_the_targets():
     from benchmarks.results_report import render_budget
 
-    def lowshot(acc):
-        return {"results": [{"setting": f"{k}imgs_class", "mean": acc, "std": 0.0} for k in (1, 2, 5)]}
+    def lowshot(acc, std=0.0):
+        return {"results": [{"setting": f"{k}imgs_class", "mean": acc, "std": std} for k in (1, 2, 5)]}
 
-    evals = {"ep0001-lowshot": lowshot(60.0), "ep0002-lowshot": lowshot(40.0), "ep0003-lowshot": lowshot(55.0),
-             "ep0004-lowshot": lowshot(56.0), "pixels-lowshot": lowshot(50.0), "random_init-lowshot": lowshot(30.0)}
-    result = {"machine": "m", "config": "c", "epochs": 4, "eval_epochs": [1, 2, 3, 4], "pretrain_step_seconds": 60.0,
-              "eval_seconds": 60.0, "evals": evals}
+    def knn(top1):
+        return {"results": [{"top1": top1}]}
+
+    run = {"steps": 1, "epochs": 0, "images_per_sec": 1.0, "wall_minutes": 1.0, "load_before": 0.0}
+    evals = {"budget-10min-lowshot": lowshot(52.0, std=3.0), "budget-10min-knn": knn(86.0),
+             "budget-30min-lowshot": lowshot(58.0), "budget-30min-knn": knn(87.0),
+             "pixels-lowshot": lowshot(50.0), "pixels-knn": knn(85.7)}
+    result = {"machine": "m", "config": "c", "seed": 0, "budgets": [10, 30],
+              "runs": {"budget-10min": run, "budget-30min": run}, "evals": evals}
     text = render_budget(result)
-    assert "above raw pixels at 1, 2 and 5 images per class: from epoch 3 on" in text
-    assert "above the random-init ViT at 1, 2 and 5 images per class: from epoch 1 on" in text
-    evals["ep0004-lowshot"] = lowshot(45.0)
-    assert "raw pixels at 1, 2 and 5 images per class: **not by epoch 4**" in render_budget(result)
+    assert "- 10 min: 1/class 52.0 vs 50.0: met (inside one std);" in text
+    assert "kNN 86.0 vs 85.7: met." in text
+    assert "- 30 min: 1/class 58.0 vs 54.0: met; 2/class 58.0 vs 61.0: **missed**" in text
+    assert "kNN 87.0 vs 88.0: **missed**" in text

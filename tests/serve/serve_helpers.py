@@ -28,8 +28,11 @@ def free_port() -> int:
 class Server:
     """A ``python -m msn_serve`` subprocess; ``url`` once :meth:`start` returned."""
 
-    def __init__(self, bundle: Path, data_dir: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, bundle: Path, data_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None):
+        """``launcher``: what runs instead of ``-m msn_serve`` (a script that ends up in ``msn_serve.cli.main``)."""
         self.bundle, self.data_dir, self.args, self.env = bundle, data_dir, list(args), env or {}
+        self.launcher = launcher or ["-m", "msn_serve"]
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}-server.log"
 
@@ -38,7 +41,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MSN_SERVE_")}
         env.update({"PYTHONUNBUFFERED": "1", **self.env})
-        cmd = [sys.executable, "-m", "msn_serve", "--bundle", str(self.bundle), "--data-dir", str(self.data_dir),
+        cmd = [sys.executable, *self.launcher, "--bundle", str(self.bundle), "--data-dir", str(self.data_dir),
                "--port", str(self.port), "--intra-op-threads", "1", "--max-wait-ms", "2", *self.args]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -60,7 +63,15 @@ class Server:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def client(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 60, **kw})
+
+    def memory_kb(self, field: str = "VmHWM") -> int:
+        """The server process's ``/proc`` memory figure (``VmHWM``: peak resident set; ``VmRSS``: current)."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise KeyError(field)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

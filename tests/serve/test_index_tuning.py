@@ -16,8 +16,9 @@ import pytest
 from msn_serve import index_gpu
 from msn_serve.errors import ApiError
 from msn_serve.index_config import IndexConfig, search_params
+from msn_serve.index_store import IndexStore
 from msn_serve.index_tuning import GB, plans, select
-from msn_serve.indexes import IndexStore, ManagedIndex
+from msn_serve.indexes import ManagedIndex
 
 
 def clustered(n: int, d: int = 32, seed: int = 0) -> np.ndarray:

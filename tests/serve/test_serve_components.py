@@ -12,7 +12,7 @@ from serve_helpers import PREPROCESSING, encode, random_image
 from msn_core.bundle import load_bundle_info
 from msn_serve.errors import ApiError
 from msn_serve.fewshot import ClassifierStore, fit
-from msn_serve.indexes import IndexStore
+from msn_serve.index_store import IndexStore
 from msn_serve.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
 from msn_serve.storage import WriteAheadLog
 
@@ -132,10 +132,12 @@ def test_index_rejects_bad_vectors_and_ids(tmp_path: Path):
                               ([1, 2], np.ones((1, 4), np.float32), "2 ids")]:
         with pytest.raises(ApiError, match=needle):
             idx.add(ids, vecs, None)
-    idx.add([1], np.ones((1, 4), np.float32), None)
-    with pytest.raises(ApiError) as e:
-        idx.add([1], np.ones((1, 4), np.float32), None)
-    assert e.value.status == 409
+    assert idx.add([1], np.ones((1, 4), np.float32), [{"v": 1}]) == {"added": 1, "replaced": 0}
+    # re-adding an id replaces its vector and metadata: never a duplicate
+    assert idx.add([1, 2], np.eye(4, dtype=np.float32)[:2], [{"v": 2}, None]) == {"added": 1, "replaced": 1}
+    assert idx.ntotal == 2 and idx.metadata.value(1) == {"v": 2}
+    hits = idx.search(np.eye(4, dtype=np.float32)[:1], 5)[0]
+    assert [h["id"] for h in hits] == [1, 2] and hits[0]["score"] == pytest.approx(1.0)
 
 
 def test_bundle_metadata_is_what_export_wrote(bundle_dir: Path):

@@ -346,7 +346,10 @@ def test_index_lifecycle(http, local):
     vec = local(imgs[4])
     hit = http.post("/index/catalog/search", json={"vectors": [vec.tolist()], "k": 2}).json()["results"][0]
     assert hit[0]["id"] == 14
-    assert http.post("/index/catalog/add", json={"ids": [10], "vectors": [vec.tolist()]}).status_code == 409
+    r = http.post("/index/catalog/add", json={"ids": [10], "vectors": [vec.tolist()]})  # re-add = replace
+    assert r.status_code == 200 and r.json()["replaced"] == 1 and r.json()["ntotal"] == 5
+    hit = http.post("/index/catalog/search", json={"vectors": [vec.tolist()], "k": 2}).json()["results"][0]
+    assert {h["id"] for h in hit} == {10, 14} and "metadata" not in hit[0]  # the replacement had no metadata
     d = http.post("/index/catalog/delete", json={"ids": [12, 999]}).json()
     assert d["removed"] == 1 and d["not_found"] == [999] and d["ntotal"] == 4
     assert http.get("/index/catalog").json()["ntotal"] == 4
@@ -358,6 +361,9 @@ def test_index_lifecycle(http, local):
     res = http.post("/index/l2idx/search", json={"vectors": vecs[3:5].tolist(), "k": 1}).json()
     assert [r[0]["id"] for r in res["results"]] == [3, 4] and res["results"][0][0]["score"] == pytest.approx(0)
     assert http.post("/index/l2idx/delete", json={"ids": [1]}).status_code == 409  # hnsw cannot delete
+    same = http.post("/index/l2idx/add", json={"ids": [3, 20], "vectors": vecs[3:5].tolist()})  # a retry: no-op
+    assert same.status_code == 200 and same.json() == {"name": "l2idx", "added": 1, "replaced": 0, "ntotal": 21}
+    assert http.post("/index/l2idx/add", json={"ids": [3], "vectors": vecs[5:6].tolist()}).status_code == 409
     assert http.post("/index/ivfidx", json={"type": "ivf", "nlist": 4}).status_code == 201
     assert http.post("/index/ivfidx/add", json={"ids": [1], "vectors": [vecs[0].tolist()]}).status_code == 422
     assert http.post("/index/ivfidx/add", json={"ids": list(range(20)), "vectors": vecs.tolist()}).status_code == 200

@@ -91,7 +91,8 @@ def make_context(args: argparse.Namespace) -> Context:
         import torch
 
         torch.set_num_threads(args.threads)
-    embedder = load_embedder(args.bundle, args.backend, feature=args.feature, device=args.device)
+    embedder = load_embedder(args.bundle, args.backend, feature=args.feature, device=args.device,
+                             threads=args.threads)
     tag = "pixels" if args.backend == "pixels" else bundle_fingerprint(args.bundle)
     return Context(args, embedder, preprocessing, tag)
 
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", default="cpu")
     common.add_argument("--batch-size", type=int, default=128)
     common.add_argument("--workers", type=int, default=0, help="data-loader worker processes")
-    common.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    common.add_argument("--threads", type=int, default=0, help="CPU threads of torch / ONNX Runtime (0: their default)")
     common.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     common.add_argument("--no-cache", action="store_true")
     common.add_argument("--mask-seed", type=int, default=0,

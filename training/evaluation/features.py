@@ -138,11 +138,14 @@ class PixelEmbedder:
 
 
 def load_embedder(bundle_dir: str | os.PathLike, backend: str = "onnx", *, feature: str | None = None,
-                  device: str = "cpu") -> Embedder:
-    """The embedder named by ``backend``: ``onnx`` | ``torch`` | ``pixels`` (bundle only gives preprocessing)."""
+                  device: str = "cpu", threads: int = 0) -> Embedder:
+    """The embedder named by ``backend``: ``onnx`` | ``torch`` | ``pixels`` (bundle only gives preprocessing).
+
+    ``threads`` sets ONNX Runtime's intra-op threads (0: its default, one per physical core).
+    """
     if backend == "onnx":
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else None
-        return OnnxEmbedder(bundle_dir, feature=feature, providers=providers)
+        return OnnxEmbedder(bundle_dir, feature=feature, providers=providers, intra_op_threads=threads)
     if backend == "torch":
         return TorchEmbedder.from_bundle(bundle_dir, feature=feature, device=device)
     if backend == "pixels":
