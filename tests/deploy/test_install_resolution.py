@@ -34,7 +34,7 @@ def resolve(target: str, tmp_path: Path) -> set[str]:
 @pytest.mark.slow
 def test_gpu_install_selects_the_gpu_builds_and_no_torch(tmp_path):
     names = resolve(".[gpu]", tmp_path)
-    assert {"onnxruntime-gpu", "faiss-gpu", "fastapi", "cyanure"} <= names
+    assert {"onnxruntime-gpu", "faiss-gpu", "fastapi", "cyanure", "orjson"} <= names
     assert not names & {"onnxruntime", "faiss-cpu"}, "a CPU build would overwrite the GPU module"
     assert not {n for n in names if n.startswith("torch")}
 
@@ -42,6 +42,6 @@ def test_gpu_install_selects_the_gpu_builds_and_no_torch(tmp_path):
 @pytest.mark.slow
 def test_serve_install_is_cpu_only_and_has_no_torch(tmp_path):
     names = resolve(".[serve]", tmp_path)
-    assert {"onnxruntime", "faiss-cpu", "fastapi", "cyanure"} <= names
+    assert {"onnxruntime", "faiss-cpu", "fastapi", "cyanure", "orjson"} <= names
     assert not names & {"onnxruntime-gpu", "faiss-gpu"}
     assert not {n for n in names if n.startswith(("torch", "nvidia-"))}
