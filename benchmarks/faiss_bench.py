@@ -137,10 +137,15 @@ def main() -> int:
     ap.add_argument("--corpora", nargs="+", default=["clustered", "fmnist"], choices=["clustered", "fmnist"])
     ap.add_argument("--kinds", nargs="+", default=["ivf", "ivfpq", "hnsw"], choices=["ivf", "ivfpq", "hnsw"])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--note", default="", help="how the machine was shared (recorded in the JSON)")
     a = ap.parse_args()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from serve_bench import machine, save
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     results = run(a.bundle, a.n, a.corpora, a.kinds)
     if a.out:
-        a.out.write_text(json.dumps(results, indent=1))
+        save(a.out, {"machine": machine(), "note": a.note, "started": started, "bundle": str(a.bundle),
+                     "kinds": a.kinds, "faiss_tuned": results})
     return 0
 
 

@@ -47,6 +47,17 @@ class IndexConfig:
         """FAISS cannot remove from HNSW graphs or from the re-ranking store of IndexRefine."""
         return self.type in ("flat", "ivf") or (self.type == "ivfpq" and not self.k_factor)
 
+    @property
+    def replaceable(self) -> bool:
+        """Whether stored vectors may be removed (deleted or replaced); an auto index follows its ``deletes``."""
+        return self.can_delete and not (self.auto and not self.deletes)
+
+    @property
+    def why_immutable(self) -> str:
+        if self.auto:
+            return "this auto index was created with deletes=false"
+        return f"{self.type}{' (re-ranked)' if self.k_factor else ''} indexes cannot remove vectors"
+
     def next_tuning(self) -> int | None:
         """Vector count at which an auto index re-tunes (None for fixed indexes)."""
         if not self.auto:

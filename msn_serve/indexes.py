@@ -247,7 +247,7 @@ class ManagedIndex:
             self._check_writable()
             self._check_open()
             present = [j for j, i in enumerate(arr.tolist()) if i in self.ids]
-            if present and not self._replaceable:
+            if present and not self.cfg.replaceable:
                 arr, v, texts = self._drop_unchanged(present, arr, v, texts)
                 present = []  # what is left is new
             if self.metadata_limit is not None and \
@@ -271,11 +271,15 @@ class ManagedIndex:
         is already there re-added unchanged (a retry)."""
         for j in present:
             i = int(arr[j])
-            same = np.array_equal(self.index.reconstruct(i), v[j]) and \
+            try:
+                stored = self.index.reconstruct(i)
+            except RuntimeError:  # IVF keeps no id -> vector map (an auto index with deletes=false tuned to ivf)
+                stored = None
+            same = stored is not None and np.array_equal(stored, v[j]) and \
                 self.metadata.text(i) == (None if texts is None else texts[j])
             if not same:
                 raise conflict(f"id {i} is already in this index with another vector or metadata, and "
-                               f"{self._why_immutable} (FAISS limitation): use a flat, ivf or auto index")
+                               f"{self.cfg.why_immutable} (FAISS limitation): use a flat, ivf or auto index")
         keep = np.setdiff1d(np.arange(arr.size), present)
         return arr[keep], v[keep], None if texts is None else Texts(texts[j] for j in keep.tolist())
 
@@ -297,8 +301,8 @@ class ManagedIndex:
 
     def remove(self, ids: Any) -> dict[str, Any]:
         arr = _check_ids(ids)
-        if not self._replaceable:
-            raise conflict(f"{self._why_immutable} (FAISS limitation); use a flat, ivf or auto index")
+        if not self.cfg.replaceable:
+            raise conflict(f"{self.cfg.why_immutable} (FAISS limitation); use a flat, ivf or auto index")
         with self.lock, persisting(f"delete from index {self.path.name!r}"):
             self._check_writable()
             self._check_open()
@@ -320,17 +324,6 @@ class ManagedIndex:
                 self.snapshot()
             except OSError as e:
                 log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
-
-    @property
-    def _replaceable(self) -> bool:
-        """Whether stored vectors can be removed (deleted or replaced); an auto index follows its ``deletes``."""
-        return self.cfg.can_delete and not (self.cfg.auto and not self.cfg.deletes)
-
-    @property
-    def _why_immutable(self) -> str:
-        if self.cfg.auto:
-            return "this auto index was created with deletes=false"
-        return f"{self.cfg.type}{' (re-ranked)' if self.cfg.k_factor else ''} indexes cannot remove vectors"
 
     # ---- GPU copy and auto re-tuning (both under ``lock``) -----------------------------------------------------
     @property

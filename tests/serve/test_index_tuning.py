@@ -108,6 +108,29 @@ def test_auto_index_that_deletes_becomes_ivf_and_keeps_deleting(tmp_path: Path):
     store.close()
 
 
+def test_auto_index_re_adds_follow_deletes(tmp_path: Path):
+    """main's upsert (re-adding an id replaces it) meets auto indexes: with deletes (IVF after the re-tune) a re-add
+    replaces the vector, also when it arrives during the re-tune; with deletes=false only an unchanged retry passes."""
+    x = clustered(3_000, seed=3)
+    store = IndexStore(tmp_path, default_dim=32, model_id="m")
+    idx = store.create("up", {"type": "auto", "exact_below": 2_000})
+    idx.add(list(range(2_500)), x[:2_500], None)  # starts the re-tune
+    moved = x[2_900:2_901]
+    assert idx.add([7], moved, [{"v": 2}]) == {"added": 0, "replaced": 1}  # during the re-tune: replayed
+    _wait_tuned(idx)
+    assert idx.cfg.type == "ivf" and idx.ntotal == 2_500
+    assert idx.add([8], moved, None) == {"added": 0, "replaced": 1}  # after it: IVF removes, then adds
+    top = [h["id"] for h in idx.search(moved, 3, nprobe=idx.cfg.nlist)[0]]
+    assert set(top[:2]) == {7, 8} and idx.ntotal == 2_500
+    fixed = store.create("fixed", {"type": "auto", "deletes": False})
+    fixed.add([1, 2], x[:2], [{"a": 1}, None])
+    assert fixed.add([1], x[:1], [{"a": 1}]) == {"added": 0, "replaced": 0}  # an identical retry
+    with pytest.raises(ApiError) as e:
+        fixed.add([1], x[5:6], None)
+    assert e.value.status == 409 and "deletes=false" in e.value.body()["error"] and fixed.ntotal == 2
+    store.close()
+
+
 @pytest.mark.parametrize("spec, needle", [({"type": "auto", "target_recall": 1.5}, "target_recall"),
                                           ({"type": "flat", "deletes": False}, "only apply to type 'auto'"),
                                           ({"type": "auto", "deletes": "no"}, "deletes"),
