@@ -3,10 +3,10 @@
 # MSN images, one multi-stage file. Build a target with:
 #
 #   docker build --target serve     -t msn:0.1.0-serve     .   # slim: onnxruntime + faiss-cpu, no torch
-#   docker build --target serve-gpu -t msn:0.1.0-serve-gpu .   # CUDA 13 + cuDNN 9 runtime, onnxruntime-gpu
+#   docker build --target serve-gpu -t msn:0.1.0-serve-gpu .   # CUDA 13 + cuDNN 9 runtime, onnxruntime-gpu, faiss-gpu
 #   docker build --target train     -t msn:0.1.0-train     .   # CUDA torch 2.13.0, train + viz extras
 #
-# Versions are pinned here (base image tags, onnxruntime-gpu) and in constraints.txt (torch). The CUDA major of the
+# Versions are pinned here (base image tags, onnxruntime-gpu, faiss-gpu) and in constraints.txt (torch). The CUDA major of the
 # serve-gpu base must match the onnxruntime-gpu wheel: onnxruntime-gpu 1.31.x on PyPI is built for CUDA 13 + cuDNN 9
 # (its `cuda` extra requires nvidia-cuda-runtime~=13.0). torch 2.13.0 on PyPI brings its own CUDA 13 libraries as
 # nvidia-* wheels, so the train target needs no CUDA base image, only an NVIDIA driver >= 580 on the host.
@@ -67,7 +67,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
 ENTRYPOINT ["msn-serve"]
 
 # --------------------------------------------------------------------------------------------------------------------
-# serve-gpu: CUDA 13 + cuDNN 9 runtime base, the distribution's Python (3.12 on Ubuntu 24.04), onnxruntime-gpu.
+# serve-gpu: CUDA 13 + cuDNN 9 runtime base, the distribution's Python (3.12 on Ubuntu 24.04), onnxruntime-gpu and
+# faiss-gpu (which brings its own CUDA 12 runtime and cuBLAS as nvidia-*-cu12 wheels; both run on an R580+ driver).
 FROM ${CUDA_IMAGE} AS serve-gpu-base
 # Ubuntu's archive keeps only the newest build of a package, so apt versions cannot be pinned durably;
 # reproducibility comes from the pinned base image tag.
@@ -78,24 +79,24 @@ RUN apt-get update \
 
 FROM serve-gpu-base AS serve-gpu-build
 ARG ONNXRUNTIME_GPU_VERSION=1.31.1
+ARG FAISS_GPU_VERSION=1.15.1
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY --from=source /src /src
 WORKDIR /src
-# The serve extra pulls the CPU `onnxruntime`; it and `onnxruntime-gpu` install into the same package directory, so
-# remove both and reinstall the GPU build alone (the documented way to switch). faiss stays faiss-cpu: msn_serve does
-# not move indexes to the GPU (see docs/deploy.md).
-RUN pip install --no-cache-dir -c constraints.txt ".[serve,gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
-    && pip uninstall -y onnxruntime onnxruntime-gpu \
-    && pip install --no-cache-dir --no-deps "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+# The gpu extra is the whole serving install with the GPU builds of onnxruntime and faiss instead of the CPU ones
+# (same modules: never both). faiss itself is not imported here: its GPU build needs the driver, which a build lacks.
+RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+        "faiss-gpu==${FAISS_GPU_VERSION}" \
+    && if pip show onnxruntime faiss-cpu >/dev/null 2>&1; then echo "a CPU build leaked into serve-gpu" >&2; exit 1; fi \
     && python -c "import onnxruntime as ort; p = ort.get_available_providers(); print(p); assert 'CUDAExecutionProvider' in p" \
     && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve-gpu image" >&2; exit 1; fi
 
 FROM serve-gpu-base AS serve-gpu
 ARG MSN_VERSION=0.1.0
 LABEL org.opencontainers.image.title="msn-serve-gpu" \
-      org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime CUDA 13)" \
+      org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime CUDA 13, FAISS GPU)" \
       org.opencontainers.image.version="${MSN_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV PYTHONDONTWRITEBYTECODE=1 \

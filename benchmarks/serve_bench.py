@@ -5,15 +5,16 @@ Prints a table and writes JSON (machine facts included). Runs against a real ``m
     python benchmarks/serve_bench.py --bundle bundles/demo --out benchmarks/results/serve_bench.json
     python benchmarks/serve_bench.py --quick            # tiny random bundle, seconds; proves the harness works
 
-Sections: (1) ORT vs torch eager on the same bundle and batch at equal thread budgets; (2) single-image clients at
-1/16/64 concurrency vs offline batched throughput (decode + preprocess + ORT in-process, the server's ceiling);
-(3) mixed mask ratios; (4) FAISS add/search QPS and recall@10 (flat exact = ground truth, IVF, HNSW) at 1e5 and
-1e6 vectors (1e6 skipped with --quick or if memory is short).
+Sections (``--only`` picks some): ``ort``: ORT vs torch eager on the same bundle and batch at equal thread budgets;
+``int8``: fp32 vs int8 ORT, dynamic and static quantization side by side (benchmarks/int8_bench.py); ``http``:
+single-image clients at 1/16/64 concurrency vs offline batched throughput (decode + preprocess + ORT in-process,
+the server's ceiling) and mixed mask ratios; ``faiss``: every index kind tuned by msn-serve's tuner to recall@10
+>= 0.95 on a million clustered 384-d vectors and on the bundle's Fashion-MNIST embeddings replicated to a million
+(benchmarks/faiss_bench.py), with memory per kind and, where faiss sees a GPU, the GPU copies.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def machine() -> dict:
@@ -135,15 +137,17 @@ def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
 
 
 # ---- (2)+(3) HTTP ---------------------------------------------------------------------------------------------------------
-def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO) -> tuple[subprocess.Popen, str]:
-    """``msn-serve`` from the source tree ``src`` (this one by default) on a free port, once ready."""
+def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO,
+                 launcher: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``msn-serve`` from the source tree ``src`` (this one by default) on a free port, once ready; ``launcher``
+    replaces ``-m msn_serve`` (e.g. to run it under cProfile)."""
     import socket
 
     import httpx
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "msn_serve", "--bundle", str(bundle), "--data-dir", str(data),
+    proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "msn_serve"]), "--bundle", str(bundle), "--data-dir", str(data),
                              "--port", str(port), "--log-level", "warning", *args], cwd=src,
                             env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -161,52 +165,16 @@ def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO) ->
     raise TimeoutError("server did not become ready")
 
 
-async def _load(url: str, images: list[bytes], concurrency: int, ids: list[int], masks: list[str | None],
-                start_at: float) -> tuple[list[float], int, float]:
-    import httpx
-    lat: list[float] = []
-    errors = 0
-    counter = iter(ids)
-
-    async def worker(client: httpx.AsyncClient):
-        nonlocal errors
-        for i in counter:
-            data = {"mask": masks[i % len(masks)]} if masks[i % len(masks)] else None
-            t0 = time.perf_counter()
-            r = await client.post("/embed", files={"image": images[i % len(images)]}, data=data)
-            lat.append(time.perf_counter() - t0)
-            errors += r.status_code != 200
-
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        for _ in range(3):
-            await client.post("/embed", files={"image": images[0]})
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
-    return lat, errors, time.time()
-
-
-def _client_process(args: tuple) -> tuple[list[float], int, float]:
-    return asyncio.run(_load(*args))
-
-
-def load(url: str, images: list[bytes], concurrency: int, total: int, masks: list[str | None],
-         procs: int) -> dict:
-    """``concurrency`` single-image clients spread over ``procs`` processes (one Python client process saturates
-    long before a server does), all released at the same wall-clock instant."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-    procs = max(1, min(procs, concurrency))
-    start_at = time.time() + 3.0
-    jobs = [(url, images, concurrency // procs + (p < concurrency % procs), list(range(p, total, procs)), masks,
-             start_at) for p in range(procs)]
-    with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
-        results = list(pool.map(_client_process, jobs))
-    lat = [x for r in results for x in r[0]]
-    wall = max(r[2] for r in results) - start_at
-    return {"concurrency": concurrency, "client_processes": procs, "requests": total,
-            "errors": sum(r[1] for r in results), "images_per_s": total / wall, "p50_ms": 1e3 * pct(lat, 50),
-            "p99_ms": 1e3 * pct(lat, 99)}
+def load(url: str, images: list[bytes], concurrency: int, total: int, masks: list[str | None], procs: int,
+         *, accept: str | None = None, server_pid: int | None = None) -> dict:
+    """``concurrency`` single-image clients (:mod:`http_load`: pre-built requests, keep-alive sockets) over
+    ``procs`` processes, released together; with ``server_pid``, the server's CPU seconds during the run."""
+    import http_load
+    port = int(url.rsplit(":", 1)[1])
+    reqs = [http_load.embed_request("127.0.0.1", images[i % len(images)], mask=masks[i % len(masks)], accept=accept)
+            for i in range(max(len(images), len(masks)))]
+    return {**http_load.run(port, reqs, concurrency, total, procs, server_pid=server_pid),
+            "accept": accept or "application/json"}
 
 
 def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: int) -> dict:
@@ -220,7 +188,9 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
     eng = Engine(info, intra_op_threads=threads)
     keep_all = np.arange(info.num_patches, dtype=np.int64)
     pool = ThreadPoolExecutor(2)
-    t0 = time.perf_counter()
+    eng.run(np.zeros((batch, info.in_chans, info.image_size, info.image_size), np.float32),
+            np.tile(keep_all, (batch, 1)))  # warm-up, as the server's
+    t0, cpu0 = time.perf_counter(), time.process_time()
     done = 0
     while done < total:
         n = min(batch, total - done)
@@ -228,43 +198,13 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
                                     [images[(done + i) % len(images)] for i in range(n)])))
         eng.run(px, np.tile(keep_all, (n, 1)))
         done += n
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     pool.shutdown()
-    return {"batch": batch, "images": total, "images_per_s": total / (time.perf_counter() - t0)}
+    return {"batch": batch, "images": total, "images_per_s": total / wall, "cpu_ms_per_image": 1e3 * cpu / total,
+            "batch_ms": 1e3 * wall * batch / total}
 
 
-# ---- (4) FAISS ------------------------------------------------------------------------------------------------------------
-def faiss_bench(n: int, dim: int, queries: int, k: int = 10) -> dict:
-    from msn_serve.index_config import recommended_nlist
-    from msn_serve.index_store import IndexStore
-    rng = np.random.default_rng(0)
-    # clustered data: recall on pure Gaussian noise says little about real embeddings
-    centres = rng.standard_normal((max(16, n // 1000), dim)).astype(np.float32)
-    data = centres[rng.integers(0, len(centres), n)] + 0.5 * rng.standard_normal((n, dim)).astype(np.float32)
-    q = data[rng.integers(0, n, queries)] + 0.1 * rng.standard_normal((queries, dim)).astype(np.float32)
-    out = {"n": n, "dim": dim, "queries": queries, "k": k}
-    truth = None
-    with tempfile.TemporaryDirectory() as tmp:
-        store = IndexStore(Path(tmp), default_dim=dim, model_id="bench", compact_mb=1e6)
-        nlist = recommended_nlist(n)
-        for kind, spec in (("flat", {"type": "flat"}), ("ivf", {"type": "ivf", "nlist": nlist, "nprobe": 16}),
-                           ("hnsw", {"type": "hnsw", "m": 32, "ef_search": 64})):
-            idx = store.create(kind, spec)
-            t0 = time.perf_counter()
-            for s in range(0, n, 50_000):
-                chunk = data[s: s + 50_000]
-                idx.add(list(range(s, s + len(chunk))), chunk, None)
-            t_add = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            res = idx.search(q, k)
-            t_search = time.perf_counter() - t0
-            ids = np.array([[h["id"] for h in r] + [-1] * (k - len(r)) for r in res])
-            if truth is None:
-                truth = ids
-            recall = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, truth, strict=True)]))
-            out[kind] = {"add_vectors_per_s": n / t_add, "search_qps_batched": queries / t_search,
-                         f"recall@{k}_vs_flat": recall, **({"nlist": nlist, "nprobe": 16} if kind == "ivf" else {})}
-            store.drop(kind)
-    return out
+SECTIONS = ("ort", "int8", "http", "faiss")
 
 
 def main() -> int:
@@ -272,59 +212,113 @@ def main() -> int:
     ap.add_argument("--bundle", type=Path, help="bundle directory (default with --quick: a tiny random one)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_bench.json")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: proves the harness, numbers mean nothing")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="sections to run (default all); e.g. --only faiss for the million-vector part alone")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes (pin them away from the "
                     "server's cores with taskset on a big machine)")
+    ap.add_argument("--faiss-n", type=int, help="vectors per FAISS corpus (default 1,000,000; --quick 20,000)")
+    ap.add_argument("--faiss-kinds", nargs="+", default=["ivf", "ivfpq", "hnsw"], choices=["ivf", "ivfpq", "hnsw"])
+    ap.add_argument("--http-rounds", type=int, default=2, help="interleaved offline / 64-client rounds")
+    ap.add_argument("--note", default="", help="how the machine was shared (recorded in the JSON)")
+    ap.add_argument("--guard-images", type=int, help="held-out images of the int8 guard (default 10,000)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="msn-bench-"))
     try:
         bundle = a.bundle or (tiny_bundle(tmp / "bundle") if a.quick else None)
         if bundle is None:
             ap.error("--bundle is required without --quick")
-        reps, per_client, faiss_sizes = (3, 4, [10_000]) if a.quick else (20, 50, [100_000, 1_000_000])
-        result: dict = {"machine": machine(), "bundle": str(bundle), "quick": a.quick,
+        reps, per_client = (3, 4) if a.quick else (20, 50)
+        result: dict = {"machine": machine(), "bundle": str(bundle), "quick": a.quick, "sections": a.only,
+                        "threads": a.threads, "note": a.note,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         print(f"machine: {result['machine']['cpu']} x{result['machine']['cores_visible']}", flush=True)
-        result["ort_vs_torch"] = ort_vs_torch(bundle, a.batch, a.threads, reps)
-        print("ort vs torch:", json.dumps(result["ort_vs_torch"]), flush=True)
-        images = test_images(16)
-        proc, url = start_server(bundle, tmp / "data", ["--max-batch-size", str(a.batch), "--max-wait-ms", "2",
-                                                        "--intra-op-threads", str(a.threads), "--device", a.device,
-                                                        "--queue-size", "4096"])
-        try:
-            result["http"] = []
-            for c in (1, 16, 64):
-                r = load(url, images, c, max(c * per_client, 20), [None], a.client_procs)
-                result["http"].append(r)
-                print("http:", json.dumps(r), flush=True)
-            masks = [None, '{"ratio": 0.5}', '{"ratio": 0.75}', '{"ratio": 0.9}']
-            result["http_mixed_masks"] = load(url, images, 16, 16 * per_client, masks, a.client_procs)
-            print("mixed masks:", json.dumps(result["http_mixed_masks"]), flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        result["offline_batched"] = offline(bundle, images, a.batch, a.threads, max(64, 16 * per_client))
-        best = max(r["images_per_s"] for r in result["http"])
-        result["http_best_vs_offline"] = best / result["offline_batched"]["images_per_s"]
-        print("offline:", json.dumps(result["offline_batched"]), f"http/offline={result['http_best_vs_offline']:.2f}")
-        result["faiss"] = []
-        mem = result["machine"]["memory_bytes"] or 0
-        from msn_core.bundle import load_bundle_info
-        dim = load_bundle_info(bundle).embed_dim if a.quick else max(384, load_bundle_info(bundle).embed_dim)
-        for n in faiss_sizes:
-            if n * dim * 4 * 4 > mem * 0.5:
-                print(f"faiss n={n}: skipped (needs ~{n * dim * 16 / 2**30:.1f} GiB)")
-                continue
-            r = faiss_bench(n, dim, 200 if a.quick else 1000)
-            result["faiss"].append(r)
-            print("faiss:", json.dumps(r), flush=True)
+        if "ort" in a.only:
+            result["ort_vs_torch"] = ort_vs_torch(bundle, a.batch, a.threads, reps)
+            print("ort vs torch:", json.dumps(result["ort_vs_torch"]), flush=True)
+        if "int8" in a.only:
+            import int8_bench
+            result["int8"] = int8_bench.run(bundle, threads=a.threads, batch=a.batch,
+                                            guard_images=a.guard_images or (256 if a.quick else 10_000),
+                                            seconds=2.0 if a.quick else 20.0)
+            print("int8:", json.dumps(result["int8"]), flush=True)
+        if "http" in a.only:
+            http_section(result, bundle, tmp, a, per_client)
+        if "faiss" in a.only:
+            import faiss_bench
+            n = a.faiss_n or (20_000 if a.quick else 1_000_000)
+            result["faiss_tuned"] = faiss_bench.run(None if a.quick else bundle, n,
+                                                    ["clustered"] if a.quick else ["clustered", "fmnist"],
+                                                    a.faiss_kinds)
         save(a.out, result)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
+
+def http_section(result: dict, bundle: Path, tmp: Path, a: argparse.Namespace, per_client: int) -> None:
+    """Single-image clients at 1/16/64 and mixed masks (JSON responses); then rounds of offline / 64 clients
+    asking for JSON / 64 asking for raw float32, interleaved so that load from other jobs on a shared machine falls
+    on both sides of each ratio.
+
+    Ratios at 64 clients: ``http_vs_offline`` = HTTP images/s / the mean of the offline runs just before and after
+    (wall clock; where the clients share the server's cores this is a floor), and ``http_vs_offline_cpu`` = offline
+    CPU per image / server CPU per image (what the server would reach with its cores to itself)."""
+    images = test_images(16)
+    wait_ms = 2.0
+    proc, url = start_server(bundle, tmp / "data", ["--max-batch-size", str(a.batch), "--max-wait-ms", str(wait_ms),
+                                                    "--intra-op-threads", str(a.threads), "--device", a.device,
+                                                    "--queue-size", "4096"])
+    total_offline = max(64, 16 * per_client)
+
+    def http(c: int, accept: str | None = None, masks: list[str | None] | None = None) -> dict:
+        r = load(url, images, c, max(c * per_client, 20), masks or [None], a.client_procs, accept=accept,
+                 server_pid=proc.pid)
+        print("http:", json.dumps(r), flush=True)
+        return r
+
+    def off() -> dict:
+        r = offline(bundle, images, a.batch, a.threads, total_offline)
+        print("offline:", json.dumps(r), flush=True)
+        return r
+
+    try:
+        result["http"] = [http(1), http(16)]
+        result["http_mixed_masks"] = http(16, masks=[None, '{"ratio": 0.5}', '{"ratio": 0.75}', '{"ratio": 0.9}'])
+        offs, rounds = [off()], []
+        for _ in range(a.http_rounds):
+            pair = [http(64), http(64, "application/octet-stream")]
+            offs.append(off())
+            rounds.append(pair)
+            result["http"] += pair
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    result["offline_runs"] = offs
+    result["offline_batched"] = {**offs[0], "images_per_s": float(np.mean([o["images_per_s"] for o in offs])),
+                                 "cpu_ms_per_image": float(np.mean([o["cpu_ms_per_image"] for o in offs])),
+                                 "batch_ms": float(np.mean([o["batch_ms"] for o in offs]))}
+    bound = wait_ms + 2 * result["offline_batched"]["batch_ms"]
+    result["http_64"] = {}
+    for accept in ("application/json", "application/octet-stream"):
+        wall, cpu, p99 = [], [], []
+        for i, pair in enumerate(rounds):
+            r = next(x for x in pair if x["accept"] == accept)
+            o = (offs[i]["images_per_s"] + offs[i + 1]["images_per_s"]) / 2
+            o_cpu = (offs[i]["cpu_ms_per_image"] + offs[i + 1]["cpu_ms_per_image"]) / 2
+            wall.append(r["images_per_s"] / o)
+            cpu.append(o_cpu / r["server_cpu_ms_per_image"])
+            p99.append(r["p99_ms"])
+        result["http_64"][accept] = {"http_vs_offline": round(float(np.mean(wall)), 3),
+                                     "http_vs_offline_rounds": [round(x, 3) for x in wall],
+                                     "http_vs_offline_cpu": round(float(np.mean(cpu)), 3),
+                                     "p99_ms": round(float(np.max(p99)), 1), "p99_bound_ms": round(bound, 1),
+                                     "target_ratio": 0.9}
+    best = max(result["http"], key=lambda r: r["images_per_s"])
+    result["http_best_vs_offline"] = best["images_per_s"] / result["offline_batched"]["images_per_s"]
+    print("at 64 clients:", json.dumps(result["http_64"]), flush=True)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -7,6 +7,11 @@ The graph (format 2) takes ``pixel_values`` float32 ``(B, C, H, W)``, normalised
 pads the short rows with ``-1`` (:data:`msn_core.masks.PAD`). It returns ``embedding`` float32 ``(B, D)``; B and K are
 dynamic. Format 1 graphs had a third, required input ``keep_mask`` bool ``(B, K)`` instead of the ``-1`` padding;
 they are still read, and :func:`onnx_feeds` feeds either.
+
+A bundle may also hold an int8 graph beside the fp32 one (``msn-export --quantize int8``), with the same inputs and
+output: ``msn.json``'s optional ``int8`` section names its file, how it was quantized, and the accuracy guard it
+passed against the fp32 graph at export (a bundle whose int8 graph failed the guard is never written). Readers that
+predate the section ignore it, so the format version stays 2.
 """
 
 from __future__ import annotations
@@ -28,14 +33,18 @@ __all__ = [
     "FEATURES",
     "FORMAT_VERSION",
     "GRAPH_INPUTS",
+    "INT8_METHODS",
+    "INT8_ONNX_FILE",
     "META_FILE",
     "ONNX_FILE",
     "OUTPUT_NAME",
+    "PRECISIONS",
     "READABLE_FORMAT_VERSIONS",
     "WEIGHTS_FILE",
     "Architecture",
     "BundleError",
     "BundleInfo",
+    "Int8Graph",
     "Preprocessing",
     "check_graph_inputs",
     "load_bundle_info",
@@ -51,6 +60,9 @@ FEATURES = ("cls_pre_norm", "cls_post_norm")  # cls_pre_norm: what the paper's l
 GRAPH_INPUTS = ("pixel_values", "keep_idx")
 LEGACY_MASK_INPUT = "keep_mask"
 OUTPUT_NAME = "embedding"
+INT8_ONNX_FILE = "model.int8.onnx"
+INT8_METHODS = ("dynamic", "static")  # ONNX Runtime quantization: weights only, or weights + calibrated activations
+PRECISIONS = ("fp32", "int8")
 
 
 class BundleError(ValueError):
@@ -142,6 +154,40 @@ class Architecture:
 
 
 @dataclass(frozen=True)
+class Int8Graph:
+    """``msn.json``'s ``int8`` section: the quantized graph's file, its method, and the guard it passed.
+
+    ``guard`` holds the export-time comparison with the fp32 graph on held-out images (cosine of the embeddings,
+    low-shot accuracy); ``details`` keeps everything else as written (quantizer settings, calibration data, the
+    speed of each candidate method).
+    """
+
+    file: str
+    method: str
+    guard: dict[str, Any]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not self.file.endswith(".onnx") or self.file == ONNX_FILE \
+                or Path(self.file).name != self.file:
+            raise BundleError(f"int8.file must be a file name ending in .onnx other than {ONNX_FILE}, "
+                              f"got {self.file!r}")
+        if self.method not in INT8_METHODS:
+            raise BundleError(f"int8.method must be one of {INT8_METHODS}, got {self.method!r}")
+        if not isinstance(self.guard, dict) or self.guard.get("passed") is not True:
+            raise BundleError("int8.guard does not record a passed accuracy guard; re-export with "
+                              "msn-export --quantize int8")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Int8Graph:
+        return cls(file=d["file"], method=d["method"], guard=dict(d["guard"]),
+                   details={k: v for k, v in d.items() if k not in ("file", "method", "guard")})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "method": self.method, "guard": self.guard, **self.details}
+
+
+@dataclass(frozen=True)
 class BundleInfo:
     """A bundle's ``msn.json``. ``onnx`` records the graph's I/O as exported; ``extra`` keeps the provenance fields
     (weights hash, source checkpoint, training summary, parity figures, export time) as written."""
@@ -152,6 +198,7 @@ class BundleInfo:
     feature: str = "cls_pre_norm"
     format_version: int = FORMAT_VERSION
     onnx: dict[str, Any] | None = None
+    int8: Int8Graph | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     path: Path | None = field(default=None, compare=False)
 
@@ -184,14 +231,34 @@ class BundleInfo:
             raise BundleError("this BundleInfo was not read from a bundle directory")
         return self.path / ONNX_FILE
 
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """The precisions this bundle can be served at."""
+        return PRECISIONS if self.int8 is not None else ("fp32",)
+
+    def graph_path(self, precision: str = "fp32") -> Path:
+        """The graph for ``precision`` (``fp32`` or ``int8``); :class:`BundleError` if the bundle has none."""
+        if precision not in PRECISIONS:
+            raise BundleError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if precision == "fp32":
+            return self.onnx_path
+        if self.int8 is None:
+            raise BundleError(f"bundle {self.model_id} has no int8 graph; add one with "
+                              f"msn-export --bundle {self.path or 'DIR'} --quantize int8")
+        path = self.onnx_path.parent / self.int8.file
+        if not path.is_file():
+            raise BundleError(f"{path}: missing (msn.json names it as the int8 graph)")
+        return path
+
     def to_dict(self) -> dict[str, Any]:
         """The ``msn.json`` document."""
+        int8 = {} if self.int8 is None else {"int8": self.int8.to_dict()}
         return {"format_version": self.format_version, "model_id": self.model_id,
                 "architecture": asdict(self.architecture), "preprocessing": self.preprocessing.to_dict(),
-                "feature": self.feature, "onnx": self.onnx, **self.extra}
+                "feature": self.feature, "onnx": self.onnx, **int8, **self.extra}
 
 
-_CORE_KEYS = ("format_version", "model_id", "architecture", "preprocessing", "feature", "onnx")
+_CORE_KEYS = ("format_version", "model_id", "architecture", "preprocessing", "feature", "onnx", "int8")
 
 
 def parse_bundle_info(document: Any, *, where: str = META_FILE, path: Path | None = None) -> BundleInfo:
@@ -208,6 +275,7 @@ def parse_bundle_info(document: Any, *, where: str = META_FILE, path: Path | Non
             model_id=document["model_id"], architecture=Architecture.from_dict(document["architecture"]),
             preprocessing=Preprocessing.from_dict(document["preprocessing"]),
             feature=document.get("feature", "cls_pre_norm"), format_version=version, onnx=document.get("onnx"),
+            int8=Int8Graph.from_dict(document["int8"]) if document.get("int8") is not None else None,
             extra={k: v for k, v in document.items() if k not in _CORE_KEYS}, path=path)
     except BundleError as e:
         raise BundleError(f"{where}: {e}") from None

@@ -35,10 +35,14 @@ class Engine:
     """
 
     def __init__(self, info: BundleInfo, *, device: str = "cpu", intra_op_threads: int = 0,
-                 fp16: bool = True, cache_dir: Path | None = None):
+                 fp16: bool = True, cache_dir: Path | None = None, precision: str = "fp32"):
         self.info = info
         self._lock = threading.Lock()
-        model_path = info.onnx_path
+        if precision == "int8" and device == "cuda":
+            raise ValueError("--precision int8 serves the bundle's CPU int8 graph; on CUDA use the fp16 variant "
+                             "(the default) or --no-fp16")
+        model_path = info.graph_path(precision)  # BundleError (a ValueError) names the missing int8 graph
+        self.precision = precision
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # a ViT is a chain: parallel mode only adds overhead
@@ -63,15 +67,18 @@ class Engine:
                             "(install onnxruntime-gpu); falling back to CPU")
         self.model_path = model_path
         self.session = ort.InferenceSession(str(model_path), sess_options=so, providers=providers)
-        if model_path != info.onnx_path and not self._fp16_close_enough(so):
-            self.model_path = info.onnx_path
-            self.session = ort.InferenceSession(str(self.model_path), sess_options=so, providers=providers)
+        if self.device == "cuda" and model_path != info.onnx_path:
+            if self._fp16_close_enough(so):
+                self.precision = "fp16"
+            else:
+                self.model_path = info.onnx_path
+                self.session = ort.InferenceSession(str(self.model_path), sess_options=so, providers=providers)
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph_inputs(self.input_names, where=str(model_path))
         outs = [o.name for o in self.session.get_outputs()]
         self.output_name = "embedding" if "embedding" in outs else outs[0]
-        log.info("ONNX Runtime %s session on %s (%s); inputs %s", ort.__version__, self.device,
-                 self.session.get_providers()[0], sorted(self.input_names))
+        log.info("ONNX Runtime %s session on %s (%s), %s graph %s; inputs %s", ort.__version__, self.device,
+                 self.session.get_providers()[0], self.precision, self.model_path.name, sorted(self.input_names))
 
     def _fp16_close_enough(self, so: ort.SessionOptions, min_cosine: float = 0.999) -> bool:
         """Accuracy gate for the fp16 graph: cosine >= ``min_cosine`` against fp32 on CPU for random inputs."""

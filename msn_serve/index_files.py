@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import numpy as np
 
 from msn_core.durable import fsync_path
 
-from .metadata import Metadata
+from .jsonio import dumps
+from .metadata import Metadata, Texts, to_texts
 
 CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
 IVF_TYPES = ("ivf", "ivfpq")
@@ -62,3 +64,24 @@ def read_index_dir(path: Path, *, mmap: bool) -> tuple[dict[str, Any], faiss.Ind
     if index.d != int(config["dim"]):
         raise ValueError(f"{path}: index dim {index.d} != config dim {config['dim']}")
     return config, index, ids, {int(k): v for k, v in meta["metadata"].items()}, int(meta["seq"])
+
+
+def encode_record(op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> bytes:
+    """One WAL record of a live index: JSON head (op, count, dim, metadata as stored JSON texts), then int64 ids
+    and float32 vectors."""
+    meta = "null" if texts is None else "[" + ",".join("null" if t is None else t for t in texts) + "]"
+    head = (f'{{"op":{dumps(op)},"n":{int(ids.size)},"dim":{0 if vecs is None else int(vecs.shape[1])},'
+            f'"metadata":{meta}}}').encode()
+    body = ids.astype("<i8").tobytes() + (b"" if vecs is None else vecs.astype("<f4").tobytes())
+    return struct.pack("<I", len(head)) + head + body
+
+
+def decode_record(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, Texts | None]:
+    (hl,) = struct.unpack_from("<I", payload)
+    head = json.loads(payload[4: 4 + hl])
+    n, dim = head["n"], head["dim"]
+    ids = np.frombuffer(payload, dtype="<i8", count=n, offset=4 + hl).astype(np.int64)
+    vecs = None
+    if dim:
+        vecs = np.frombuffer(payload, dtype="<f4", count=n * dim, offset=4 + hl + 8 * n).reshape(n, dim)
+    return head["op"], ids, vecs, to_texts(head["metadata"], n)

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from . import index_gpu
 from .errors import conflict, not_found, read_only_replica
 from .index_config import config_from_spec
 from .indexes import ManagedIndex
@@ -23,8 +24,10 @@ class IndexStore:
     """All indexes under ``<data-dir>/indexes``; create/drop are serialised by one lock."""
 
     def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0,
-                 metadata_mb: float | None = None, root: Path | None = None, read_only: bool = False):
+                 metadata_mb: float | None = None, root: Path | None = None, read_only: bool = False,
+                 device: str = "cpu"):
         self.data_dir, self.read_only = data_dir, read_only
+        self.device = index_gpu.resolve_device(device)  # "cpu" with a warning when faiss sees no GPU
         self.root = root or data_dir / "indexes"
         if not read_only:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -40,10 +43,10 @@ class IndexStore:
             if not p.is_dir() or p.name.startswith("."):
                 continue
             if self.read_only:  # a published snapshot is all or nothing: the caller keeps the previous one
-                self.indexes[p.name] = ManagedIndex.open_read_only(p)
+                self.indexes[p.name] = ManagedIndex.open_read_only(p, self.device)
                 continue
             try:
-                self.indexes[p.name] = self._configure(ManagedIndex.load(p, self.data_dir))
+                self.indexes[p.name] = self._configure(ManagedIndex.load(p, self.data_dir, self.device))
             except Exception as e:  # noqa: BLE001 - any parse failure means: quarantine, keep serving the rest
                 quarantine(self.data_dir, p, f"cannot load index: {e!r}")
                 problems.append(p.name)
@@ -71,7 +74,7 @@ class IndexStore:
                 raise conflict(f"index {name!r} already exists")
             cfg = config_from_spec(spec, self.default_dim, self.model_id)
             with persisting(f"create index {name!r}"):
-                idx = self._configure(ManagedIndex.create(self.root / name, cfg))
+                idx = self._configure(ManagedIndex.create(self.root / name, cfg, self.device))
             self.indexes[name] = idx
             return idx
 

@@ -1,16 +1,18 @@
 """Named FAISS indexes with external int64 ids, JSON metadata, and WAL + snapshot persistence.
 
-Layout per index: ``indexes/<name>/config.json`` (immutable after create), ``snapshot.npz`` (serialised FAISS index
-+ metadata + last applied WAL sequence, replaced atomically) and ``wal.log`` (add/remove records, fsync'd before a
-request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
+Layout per index: ``indexes/<name>/config.json`` (fixed at create; an auto index rewrites it when it changes
+kind), ``snapshot.npz`` (serialised FAISS index + metadata + last applied WAL sequence + config, replaced
+atomically) and ``wal.log`` (add/remove records, fsync'd before a request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
 ``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
 snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
 Adding an id that is already there replaces its vector and metadata (so a retried add never duplicates an id); on
 ``hnsw`` only a re-add that changes nothing is accepted. A write that fails on disk changes nothing (see
 :class:`~msn_serve.storage.WriteAheadLog`): the client gets a 507/503 and may retry.
-``ivfpq`` (``IndexIVFPQ``, native ids) comes from ``msn-index build``, which writes the mmap-able form of
-:mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either, and read-only replicas open
-published copies of that form memory-mapped, without a WAL.
+``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it can neither delete nor replace) comes from ``msn-index build``,
+which writes the mmap-able form of :mod:`msn_serve.index_files` instead of ``snapshot.npz``; the writer loads either,
+and read-only replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune
+themselves as they grow (:mod:`msn_serve.index_auto`); with ``--device cuda``, kinds FAISS supports on GPUs also get
+a GPU copy that answers searches (:mod:`msn_serve.index_gpu`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import logging
 import math
 import os
 import shutil
-import struct
 import threading
 import time
 from dataclasses import asdict
@@ -32,35 +33,24 @@ import numpy as np
 
 from msn_core.durable import atomic_write, fsync_path
 
+from . import index_auto, index_gpu
 from .errors import conflict, not_found, read_only_replica, too_large, unprocessable
-from .index_config import IndexConfig, build_index
-from .index_files import INDEX_FILE, IVF_TYPES, STATE_FILE, read_index_dir, write_index_dir
-from .jsonio import dumps
+from .index_config import IndexConfig, build_index, search_params
+from .index_files import (
+    INDEX_FILE,
+    IVF_TYPES,
+    STATE_FILE,
+    decode_record,
+    encode_record,
+    read_index_dir,
+    write_index_dir,
+)
 from .metadata import Metadata, Texts, to_texts
 from .storage import WriteAheadLog, persisting, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1
 F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _encode(op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> bytes:
-    meta = "null" if texts is None else "[" + ",".join("null" if t is None else t for t in texts) + "]"
-    head = (f'{{"op":{dumps(op)},"n":{int(ids.size)},"dim":{0 if vecs is None else int(vecs.shape[1])},'
-            f'"metadata":{meta}}}').encode()
-    body = ids.astype("<i8").tobytes() + (b"" if vecs is None else vecs.astype("<f4").tobytes())
-    return struct.pack("<I", len(head)) + head + body
-
-
-def _decode(payload: bytes) -> tuple[str, np.ndarray, np.ndarray | None, Texts | None]:
-    (hl,) = struct.unpack_from("<I", payload)
-    head = json.loads(payload[4: 4 + hl])
-    n, dim = head["n"], head["dim"]
-    ids = np.frombuffer(payload, dtype="<i8", count=n, offset=4 + hl).astype(np.int64)
-    vecs = None
-    if dim:
-        vecs = np.frombuffer(payload, dtype="<f4", count=n * dim, offset=4 + hl + 8 * n).reshape(n, dim)
-    return head["op"], ids, vecs, to_texts(head["metadata"], n)
 
 
 class ManagedIndex:
@@ -70,7 +60,7 @@ class ManagedIndex:
     metadata_limit: int | None = None
 
     def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: Metadata | dict[int, Any],
-                 seq: int, ids: set[int], *, read_only: bool = False):
+                 seq: int, ids: set[int], *, read_only: bool = False, device: str = "cpu"):
         self.path, self.cfg, self.index, self.seq = path, cfg, index, seq
         self.metadata = Metadata.coerce(metadata)
         self.lock = threading.RLock()
@@ -78,10 +68,15 @@ class ManagedIndex:
         self.closed = False
         self.wal = None if read_only else WriteAheadLog(path / "wal.log")
         self.created = time.time()
+        self.device = device  # where searches run when the kind allows it (index_gpu.resolve_device'd)
+        self.gpu_index: faiss.Index | None = None  # GPU copy, rebuilt lazily after changes it cannot follow
+        self.retuning = False  # auto: a background re-tune is running
+        self._pending: list[tuple] | None = None  # mutations applied while it runs, replayed on its result
+        self.last_tuning: dict[str, Any] | None = None
 
     # ---- persistence ------------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: Path, cfg: IndexConfig) -> ManagedIndex:
+    def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
         """Make the directory in a hidden staging name and rename it into place, so a failed create (full disk)
         leaves nothing a restart would load or quarantine (``clean_temp_files`` removes stray staging dirs)."""
         staging = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
@@ -97,10 +92,10 @@ class ManagedIndex:
         except BaseException:
             shutil.rmtree(path if placed else staging, ignore_errors=True)
             raise
-        return cls(path, cfg, build_index(cfg), Metadata(), 0, set())
+        return cls(path, cfg, build_index(cfg), Metadata(), 0, set(), device=device)
 
     @classmethod
-    def load(cls, path: Path, data_dir: Path) -> ManagedIndex:
+    def load(cls, path: Path, data_dir: Path, device: str = "cpu") -> ManagedIndex:
         """Open from disk; a corrupt config/snapshot raises, a corrupt WAL record is quarantined and the valid
         prefix replayed (a torn tail is an unacknowledged write and is dropped)."""
         cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
@@ -115,6 +110,8 @@ class ManagedIndex:
                 raise ValueError(f"snapshot has {index.ntotal} vectors but {len(ids)} ids")
             metadata = {int(k): v for k, v in meta["metadata"].items()}
             seq = int(meta["seq"])
+            if "config" in meta:  # an auto index's current kind and tuning, as of this snapshot
+                cfg = IndexConfig(**meta["config"])
             if index.d != cfg.dim:
                 raise ValueError(f"snapshot dim {index.d} != config dim {cfg.dim}")
         elif (path / INDEX_FILE).exists():  # built by msn-index: loaded into memory, since the writer mutates it
@@ -128,23 +125,26 @@ class ManagedIndex:
                 quarantine(data_dir, _copy(path / "wal.log"), f"WAL {problem}; replaying the valid prefix")
             with open(path / "wal.log", "r+b") as f:
                 f.truncate(valid_len)
-        obj = cls(path, cfg, index, metadata, seq, ids)
+        obj = cls(path, cfg, index, metadata, seq, ids, device=device)
         replayed = 0
         for rseq, payload in records:
             if rseq <= obj.seq:
                 continue
-            op, ids, vecs, meta_list = _decode(payload)
+            op, ids, vecs, meta_list = decode_record(payload)
             obj._apply(op, ids, vecs, meta_list)
             obj.seq = rseq
             replayed += 1
         log.info("index %s: %d vectors (%d WAL records replayed)", path.name, obj.index.ntotal, replayed)
+        with obj.lock:
+            obj._maybe_retune()  # e.g. a crash interrupted a re-tune
         return obj
 
     @classmethod
-    def open_read_only(cls, path: Path) -> ManagedIndex:
+    def open_read_only(cls, path: Path, device: str = "cpu") -> ManagedIndex:
         """A published index, memory-mapped where FAISS allows, with no WAL: any failure raises."""
         config, index, ids, metadata, seq = read_index_dir(path, mmap=True)
-        return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True)
+        return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True,
+                   device=device)
 
     def export(self, dest: Path) -> None:
         """Write the current state in the mmap-able form (for publishing); consistent under ``lock``."""
@@ -157,11 +157,14 @@ class ManagedIndex:
         """Replace ``snapshot.npz`` with the current state, then empty the WAL (a failure at any step leaves a
         state that loads: the old snapshot + the whole WAL, or the new snapshot + records it already holds)."""
         with self.lock:
-            meta = f'{{"seq":{int(self.seq)},"metadata":{self.metadata.to_json()}}}'
+            meta = (f'{{"seq":{int(self.seq)},"config":{json.dumps(asdict(self.cfg))},'
+                    f'"metadata":{self.metadata.to_json()}}}')
             buf = io.BytesIO()
             np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
                      ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
             atomic_write(self.path / "snapshot.npz", buf.getvalue())
+            if self.cfg.auto:  # its kind changes; the snapshot (written first) is what load() trusts
+                atomic_write(self.path / "config.json", json.dumps(asdict(self.cfg), indent=1).encode())
             for stale in (INDEX_FILE, STATE_FILE):  # a built index's files are superseded by the snapshot
                 if (self.path / stale).exists():
                     remove_durably(self.path / stale)
@@ -210,8 +213,11 @@ class ManagedIndex:
         return np.ascontiguousarray(v, dtype=np.float32)
 
     def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> None:
-        if op == "add":  # an upsert: ids already present are replaced (never on hnsw: add() filtered them out)
+        if self._pending is not None:
+            self._pending.append((op, ids, vecs))
+        if op == "add":  # an upsert: ids already present are replaced (add() filtered them out where FAISS can't)
             present = [i for i in ids.tolist() if i in self.ids]
+            self._sync_gpu("replace" if present else op, ids, vecs)
             if present:
                 self.index.remove_ids(np.asarray(present, dtype=np.int64))
             self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
@@ -219,6 +225,7 @@ class ManagedIndex:
             for j, i in enumerate(ids.tolist()):
                 self.metadata.put(i, None if texts is None else texts[j])
         elif op == "remove":
+            self._sync_gpu(op, ids, vecs)
             self.index.remove_ids(ids)
             for i in ids.tolist():
                 self.ids.discard(i)
@@ -240,7 +247,7 @@ class ManagedIndex:
             self._check_writable()
             self._check_open()
             present = [j for j, i in enumerate(arr.tolist()) if i in self.ids]
-            if present and self.cfg.type == "hnsw":
+            if present and not self.cfg.replaceable:
                 arr, v, texts = self._drop_unchanged(present, arr, v, texts)
                 present = []  # what is left is new
             if self.metadata_limit is not None and \
@@ -251,22 +258,28 @@ class ManagedIndex:
                 self._first_ivf_add(arr, v, texts)
             elif arr.size:
                 seq = self.seq + 1
-                self.wal.append(seq, _encode("add", arr, v, texts))  # raises (rolled back) on a full disk
+                self.wal.append(seq, encode_record("add", arr, v, texts))  # raises (rolled back) on a full disk
                 self._apply("add", arr, v, texts)
                 self.seq = seq
                 self._maybe_compact()
+                self._maybe_retune()
         return {"added": int(arr.size) - len(present), "replaced": len(present)}
 
     def _drop_unchanged(self, present: list[int], arr: np.ndarray, v: np.ndarray,
                         texts: Texts | None) -> tuple[np.ndarray, np.ndarray, Texts | None]:
-        """hnsw cannot remove vectors, so an id already there may only be re-added unchanged (a retry)."""
+        """Kinds that cannot remove vectors (hnsw, re-ranked ivfpq, auto with deletes=false) only accept an id that
+        is already there re-added unchanged (a retry)."""
         for j in present:
             i = int(arr[j])
-            same = np.array_equal(self.index.reconstruct(i), v[j]) and \
+            try:
+                stored = self.index.reconstruct(i)
+            except RuntimeError:  # IVF keeps no id -> vector map (an auto index with deletes=false tuned to ivf)
+                stored = None
+            same = stored is not None and np.array_equal(stored, v[j]) and \
                 self.metadata.text(i) == (None if texts is None else texts[j])
             if not same:
-                raise conflict(f"id {i} is already in this hnsw index with another vector or metadata; hnsw "
-                               "cannot replace vectors (FAISS limitation): use a flat or ivf index")
+                raise conflict(f"id {i} is already in this index with another vector or metadata, and "
+                               f"{self.cfg.why_immutable} (FAISS limitation): use a flat, ivf or auto index")
         keep = np.setdiff1d(np.arange(arr.size), present)
         return arr[keep], v[keep], None if texts is None else Texts(texts[j] for j in keep.tolist())
 
@@ -288,8 +301,8 @@ class ManagedIndex:
 
     def remove(self, ids: Any) -> dict[str, Any]:
         arr = _check_ids(ids)
-        if self.cfg.type == "hnsw":
-            raise conflict("hnsw indexes cannot delete vectors (FAISS limitation); use a flat or ivf index")
+        if not self.cfg.replaceable:
+            raise conflict(f"{self.cfg.why_immutable} (FAISS limitation); use a flat, ivf or auto index")
         with self.lock, persisting(f"delete from index {self.path.name!r}"):
             self._check_writable()
             self._check_open()
@@ -297,7 +310,7 @@ class ManagedIndex:
             missing = sorted(set(arr.tolist()) - set(present.tolist()))
             if present.size:
                 seq = self.seq + 1
-                self.wal.append(seq, _encode("remove", present, None, None))
+                self.wal.append(seq, encode_record("remove", present, None, None))
                 self._apply("remove", present, None, None)
                 self.seq = seq
                 self._maybe_compact()
@@ -312,6 +325,31 @@ class ManagedIndex:
             except OSError as e:
                 log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
 
+    # ---- GPU copy and auto re-tuning (both under ``lock``) -----------------------------------------------------
+    @property
+    def search_device(self) -> str:
+        return "cuda" if self.device == "cuda" and index_gpu.supported(self.cfg) else "cpu"
+
+    def _searcher(self) -> faiss.Index:
+        if self.search_device == "cpu":
+            return self.index
+        if self.gpu_index is None:
+            self.gpu_index = index_gpu.to_gpu(self.index)
+        return self.gpu_index
+
+    def _sync_gpu(self, op: str, ids: np.ndarray, vecs: np.ndarray | None) -> None:
+        """Plain adds go to the GPU copy too; anything else drops it (rebuilt from the CPU index at the next
+        search)."""
+        if self.gpu_index is None:
+            return
+        if op == "add" and self.index.is_trained:
+            self.gpu_index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+        else:
+            self.gpu_index = None
+
+    def _maybe_retune(self) -> None:
+        index_auto.maybe_retune(self)
+
     # ---- queries ----------------------------------------------------------------------------------------------
     def query(self, vecs: np.ndarray, k: int, nprobe: int | None = None,
               ef_search: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
@@ -323,12 +361,8 @@ class ManagedIndex:
             k = min(int(k), int(self.index.ntotal))
             if k == 0:
                 return np.zeros((q.shape[0], 0), np.float32), np.zeros((q.shape[0], 0), np.int64), {}
-            params = None
-            if self.cfg.type in IVF_TYPES:
-                params = faiss.SearchParametersIVF(nprobe=int(nprobe or self.cfg.nprobe))
-            elif self.cfg.type == "hnsw":
-                params = faiss.SearchParametersHNSW(efSearch=int(max(ef_search or self.cfg.ef_search, k)))
-            scores, labels = self.index.search(q, k, params=params)
+            params = search_params(self.cfg, k, nprobe=nprobe, ef_search=ef_search)
+            scores, labels = self._searcher().search(q, k, params=params)
             texts = {i: t for i in np.unique(labels).tolist() if i >= 0 and (t := self.metadata.text(i)) is not None}
         return scores, labels, texts
 
@@ -350,7 +384,10 @@ class ManagedIndex:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
+            auto = {"next_tuning": self.cfg.next_tuning(), "retuning": self.retuning,
+                    "last_tuning": self.last_tuning} if self.cfg.auto else None
             return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
+                    "device": self.search_device, "auto_tuning": auto,
                     "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
                     "metadata_bytes": self.metadata.nbytes,
                     "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,

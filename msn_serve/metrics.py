@@ -32,6 +32,8 @@ class Metrics:
         self.errors = Counter("msn_errors", "errors by kind", ["kind"], registry=r)
         self.fits = Gauge("msn_fits_in_flight", "few-shot fits running or waiting for a worker", registry=r)
         self.ready = Gauge("msn_ready", "1 when warmed up and inference works", registry=r)
+        self.model_info = Gauge("msn_model_info", "the model served (always 1; the labels say which)",
+                                ["model_id", "precision", "device"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -116,8 +116,8 @@ def _collect_garbage(root: Path, *, keep: int, grace_s: float) -> list[str]:
     return removed
 
 
-def load_version(data_dir: Path, version: str, *, model_id: str,
-                 default_dim: int) -> tuple[IndexStore, ClassifierStore, dict[str, Any]]:
+def load_version(data_dir: Path, version: str, *, model_id: str, default_dim: int,
+                 device: str = "cpu") -> tuple[IndexStore, ClassifierStore, dict[str, Any]]:
     """Open one published version read-only (indexes memory-mapped); raises if anything is missing or corrupt,
     or if it was published for another model (its vectors would be meaningless for this replica's embeddings)."""
     vdir = published_root(data_dir) / version
@@ -126,7 +126,7 @@ def load_version(data_dir: Path, version: str, *, model_id: str,
         raise ValueError(f"published version {version} was made with model {manifest.get('model_id')!r}, "
                          f"this replica serves {model_id!r}")
     indexes = IndexStore(data_dir, default_dim=default_dim, model_id=model_id, root=vdir / "indexes",
-                         read_only=True)
+                         read_only=True, device=device)
     indexes.load_all()
     classifiers = ClassifierStore(data_dir, model_id, root=vdir / "classifiers", read_only=True)
     classifiers.load_all()

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
+from .embed_response import JSON, NPY, RAW, embeddings_response, json_response, negotiate
 from .errors import NAME_RE, check_name
 from .inputs import M, read_request
 from .jsonio import StrictJSONResponse
@@ -31,6 +32,13 @@ router = APIRouter(default_response_class=StrictJSONResponse)
 Name = Annotated[str, Path(pattern=f"^{NAME_RE.pattern}$", description="classifier or index name")]
 
 
+BINARY_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {
+    RAW: {"schema": {"type": "string", "format": "binary",
+                     "description": "n x dim little-endian float32, row-major; shape in X-Embedding-Shape"}},
+    NPY: {"schema": {"type": "string", "format": "binary", "description": "the (n, dim) float32 array as .npy"}},
+}}}
+
+
 def _svc(request: Request) -> Service:
     return request.app.state.service
 
@@ -48,18 +56,21 @@ def _json_bytes(body: bytes) -> Response:
 
 
 # ---- embeddings -------------------------------------------------------------------------------------------------
-@router.post("/embed", tags=["embeddings"], openapi_extra=EmbedRequest.openapi_body())
-async def embed(request: Request) -> StrictJSONResponse:
+@router.post("/embed", tags=["embeddings"], openapi_extra=EmbedRequest.openapi_body(), responses=BINARY_DOC)
+async def embed(request: Request) -> Response:
     """Embed one or many images (optionally masked); returns ``embeddings`` (n, dim) and, for a masked request,
-    the ``keep_idx`` each image was embedded with."""
+    the ``keep_idx`` each image was embedded with. ``Accept: application/octet-stream`` (raw little-endian
+    float32, shape in ``X-Embedding-Shape``) or ``application/x-npy`` returns the matrix alone, without JSON."""
+    media = negotiate(request.headers.get("accept"))  # a 406 before any work
     svc, req = await _read(request, EmbedRequest)
     emb, keeps = await svc.embed(req)
-    body: dict[str, Any] = {"model_id": svc.info.model_id, "dim": svc.info.embed_dim, "count": len(keeps),
-                            "normalized": req.normalize, "kept_tokens": [int(k.size) for k in keeps]}
-    if "mask" in req.model_fields_set:
-        body["keep_idx"] = [k.tolist() for k in keeps]
-    # A JSONResponse skips FastAPI's response-model pass over thousands of floats on the hot path.
-    return StrictJSONResponse({**body, "embeddings": emb.tolist()})
+    kept = [int(k.size) for k in keeps]
+    if media != JSON:
+        return embeddings_response(media, emb, model_id=svc.info.model_id, normalized=req.normalize,
+                                   kept_tokens=kept)
+    head = {"model_id": svc.info.model_id, "dim": svc.info.embed_dim, "count": len(keeps),
+            "normalized": req.normalize, "kept_tokens": kept}
+    return json_response(head, emb, keeps if "mask" in req.model_fields_set else None)
 
 
 # ---- few-shot classifiers ---------------------------------------------------------------------------------------

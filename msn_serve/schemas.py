@@ -295,7 +295,8 @@ class IndexCreateRequest(RequestModel):
 
     IMAGES: ClassVar[bool] = False
     metric: Literal["ip", "l2"] = Field("ip", description="ip (cosine when normalised) or l2")
-    type: Literal["flat", "ivf", "hnsw"] = Field("flat", description="flat = exact IndexIDMap2(IndexFlat*)")
+    type: Literal["flat", "ivf", "hnsw", "auto"] = Field(
+        "flat", description="flat = exact IndexIDMap2(IndexFlat*); auto = exact, then re-tuned as it grows")
     dim: int_in(1, 65536) | None = Field(None, description="vector size (default: the model's)")
     normalize: bool | None = Field(None, description="L2-normalise added and query vectors (default: true for ip)")
     nlist: Int = Field(256, ge=1, le=1 << 20, description="ivf: inverted lists")
@@ -303,6 +304,13 @@ class IndexCreateRequest(RequestModel):
     m: Int = Field(32, ge=2, le=256, description="hnsw: M")
     ef_construction: Int = Field(80, ge=1, le=4096, description="hnsw: efConstruction")
     ef_search: Int = Field(64, ge=1, le=4096, description="hnsw: default efSearch")
+    target_recall: float | None = Field(None, gt=0.0, le=1.0, description="auto: recall@10 the tuner must reach "
+                                                                          "(default 0.95)")
+    exact_below: int_in(1, 1 << 40) | None = Field(None, description="auto: exact search below this many vectors "
+                                                                    "(default 100000)")
+    retune_growth: float | None = Field(None, gt=1.1, le=100.0, description="auto: re-tune after growing this many "
+                                                                           "times (default 2)")
+    deletes: bool | None = Field(None, description="auto: only kinds that can delete/replace (default true)")
 
     def spec(self) -> dict[str, Any]:
         """The options the client set (the index store fills in the defaults)."""

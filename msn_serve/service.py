@@ -64,14 +64,15 @@ class Service:
             self._dir_lock = lock_data_dir(settings.data_dir)
             cache_dir = settings.data_dir / "cache"
         self.engine = Engine(self.info, device=settings.device, intra_op_threads=settings.intra_op_threads,
-                             fp16=settings.fp16, cache_dir=cache_dir)
+                             fp16=settings.fp16, cache_dir=cache_dir, precision=settings.precision)
+        self.metrics.model_info.labels(self.info.model_id, self.engine.precision, self.engine.device).set(1)
         self.batcher: Batcher | None = None
         self.quarantined: list[str] = []
         if self.read_only:
             # empty until the first published version loads (a reader never reads the writer's working files)
             self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id, read_only=True)
             self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim, model_id=self.info.model_id,
-                                      read_only=True)
+                                      read_only=True, device=settings.device)
             try:
                 self._reload_sync()
             except Exception as e:  # faiss/JSON errors come in many types; the CLI reports ValueError cleanly
@@ -81,7 +82,7 @@ class Service:
             self.classifiers = ClassifierStore(settings.data_dir, self.info.model_id)
             self.indexes = IndexStore(settings.data_dir, default_dim=self.info.embed_dim,
                                       model_id=self.info.model_id, compact_mb=settings.wal_compact_mb,
-                                      metadata_mb=settings.max_index_metadata_mb)
+                                      metadata_mb=settings.max_index_metadata_mb, device=settings.device)
             self.quarantined = self.classifiers.load_all() + self.indexes.load_all()
         self._published_signature: tuple | None = None
         self._admin_lock: asyncio.Lock | None = None
@@ -156,6 +157,7 @@ class Service:
             return {"changed": False, "version": previous}
         t0 = time.perf_counter()
         indexes, classifiers, _ = load_version(self.settings.data_dir, version, model_id=self.info.model_id,
+                                               device=self.settings.device,
                                                default_dim=self.info.embed_dim)
         # Two reference swaps; a request that already looked up an index or classifier keeps using that object.
         self.indexes, self.classifiers, self.snapshot_version = indexes, classifiers, version
@@ -209,7 +211,8 @@ class Service:
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = warmed up and the worker can run inference; after failures, probe with a real forward."""
-        detail: dict[str, Any] = {"warmed_up": self.warmed, "model_id": self.info.model_id}
+        detail: dict[str, Any] = {"warmed_up": self.warmed, "model_id": self.info.model_id,
+                                  "precision": self.engine.precision, "device": self.engine.device}
         if self.warmup_error:
             detail["error"] = f"warm-up failed: {self.warmup_error}"
             return False, detail

@@ -114,3 +114,33 @@ def test_onnx_feeds_for_both_graph_formats():
         check_graph_inputs({"pixel_values"})
     with pytest.raises(BundleError, match="expected"):
         check_graph_inputs({"pixel_values", "keep_idx", "attention_mask"})
+
+
+INT8 = {"file": "model.int8.onnx", "method": "dynamic", "guard": {"passed": True, "cosine": {"min": 0.999}},
+        "speed": {"batch": 32}}
+
+
+def test_int8_section_round_trips_and_names_its_graph(tmp_path: Path):
+    info = parse_bundle_info({**copy.deepcopy(DOC), "int8": INT8}, path=tmp_path)
+    assert info.int8 is not None and info.int8.method == "dynamic" and info.int8.details == {"speed": {"batch": 32}}
+    assert info.to_dict() == {**DOC, "int8": INT8} and "int8" not in info.extra
+    assert info.precisions == ("fp32", "int8") and parse_bundle_info(DOC).precisions == ("fp32",)
+    assert info.graph_path("fp32") == tmp_path / "model.onnx"
+    with pytest.raises(BundleError, match="missing"):
+        info.graph_path("int8")
+    (tmp_path / "model.int8.onnx").write_bytes(b"")
+    assert info.graph_path("int8") == tmp_path / "model.int8.onnx"
+    with pytest.raises(BundleError, match="no int8 graph.*--quantize int8"):
+        parse_bundle_info(DOC, path=tmp_path).graph_path("int8")
+    with pytest.raises(BundleError, match="precision"):
+        info.graph_path("fp16")
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({**INT8, "guard": {"passed": False}}, "passed accuracy guard"), ({**INT8, "method": "magic"}, "int8.method"),
+    ({**INT8, "file": "model.onnx"}, "int8.file"), ({**INT8, "file": "../x.onnx"}, "int8.file"),
+    ({k: v for k, v in INT8.items() if k != "guard"}, "guard"),
+])
+def test_int8_sections_that_cannot_be_served_are_refused(section, needle):
+    with pytest.raises(BundleError, match=needle):
+        parse_bundle_info({**DOC, "int8": section})

@@ -36,7 +36,7 @@ from training.evaluation.linear_probe import train_linear_probe
 from training.evaluation.lowshot import DEFAULT_LAMBD, LAMBD_SWEEP, LowShotResult, summarize
 from training.evaluation.robustness import DEFAULT_RATIOS, masked_lowshot, similarity_by_ratio
 
-REPO_SPLITS = Path(__file__).resolve().parents[2] / "splits"
+REPO_SPLITS = split_files.REPO_SPLITS
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "msn-eval"
 
 
@@ -105,22 +105,8 @@ def lowshot_subsets(ctx: Context, train) -> dict[str, list[np.ndarray]]:
     args = ctx.args
     if args.subset_file:
         return {Path(f).stem: [split_files.resolve_subset(f, train)] for f in args.subset_file}
-    labels = np.asarray(train.labels)
-    shipped = REPO_SPLITS / args.data if args.data == "fashion-mnist" else None
-    subsets: dict[str, list[np.ndarray]] = {}
-    for shots in args.shots:
-        name = "1percent" if shots == "1percent" else f"{int(shots)}imgs_class"
-        chosen = []
-        for split in range(1, args.splits + 1):
-            path = shipped / split_files.split_file_name(shots, split) if shipped else None
-            if path is not None and path.is_file():
-                chosen.append(split_files.resolve_subset(path, train))
-            elif shots == "1percent":
-                chosen.append(split_files.percent_indices(labels, 0.01, seed=split))
-            else:
-                chosen.append(split_files.class_balanced_indices(labels, int(shots), seed=split))
-        subsets[name] = chosen
-    return subsets
+    return split_files.standard_subsets(train, args.data, shots=args.shots, splits=args.splits,
+                                        shipped=REPO_SPLITS)
 
 
 def _gather(features: Features, subsets: dict[str, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, dict]:

@@ -66,12 +66,16 @@ class Embedder(Protocol):
 
 
 class OnnxEmbedder:
-    """The bundle's ``model.onnx`` under ONNX Runtime; its output is the bundle's ``feature``."""
+    """The bundle's ``model.onnx`` under ONNX Runtime; its output is the bundle's ``feature``.
+
+    ``model_path`` runs another graph with the same contract instead (the int8 graph, or one being checked before
+    it is added to the bundle)."""
 
     backend = "onnx"
 
     def __init__(self, bundle_dir: str | os.PathLike, *, feature: str | None = None,
-                 providers: Sequence[str] | None = None, intra_op_threads: int = 0) -> None:
+                 providers: Sequence[str] | None = None, intra_op_threads: int = 0,
+                 model_path: str | os.PathLike | None = None) -> None:
         import onnxruntime as ort
 
         info = load_bundle_info(bundle_dir, need=(ONNX_FILE,))
@@ -82,7 +86,7 @@ class OnnxEmbedder:
         self.patch_size = info.patch_size
         options = ort.SessionOptions()
         options.intra_op_num_threads = intra_op_threads  # 0 = ORT's default; set it when ranks share cores
-        self.session = ort.InferenceSession(str(info.onnx_path), sess_options=options,
+        self.session = ort.InferenceSession(str(model_path or info.onnx_path), sess_options=options,
                                             providers=list(providers or ["CPUExecutionProvider"]))
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph_inputs(self.input_names)

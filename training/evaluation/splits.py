@@ -24,6 +24,7 @@ __all__ = [
     "read_subset_file",
     "resolve_subset",
     "split_file_name",
+    "standard_subsets",
     "write_index_file",
     "write_splits",
 ]
@@ -31,6 +32,7 @@ __all__ = [
 DEFAULT_SHOTS: tuple[int, ...] = (1, 2, 5)
 DEFAULT_SPLITS: tuple[int, ...] = (1, 2, 3)
 PERCENT_TAG = "1percent"
+REPO_SPLITS = Path(__file__).resolve().parents[2] / "splits"
 
 
 def split_file_name(shots: int | str, split: int) -> str:
@@ -135,6 +137,28 @@ def resolve_subset(path: str | os.PathLike, dataset) -> np.ndarray:
         raise FileNotFoundError(f"{len(missing)} of {len(entries)} entries of {path} are not in the dataset, "
                                 f"e.g. {missing[:3]}")
     return np.array(indices, dtype=np.int64)
+
+
+def standard_subsets(train, data: str, *, shots: Sequence[str], splits: int,
+                     shipped: Path = REPO_SPLITS) -> dict[str, list[np.ndarray]]:
+    """``{setting: [indices of split 1, ...]}``: the shipped split files of ``data`` where they exist (``splits/
+    fashion-mnist``), else the same seeded draws that wrote them. ``shots`` are counts or ``"1percent"``."""
+    labels = np.asarray(train.labels)
+    directory = shipped / data if Path(data).name == data and (shipped / data).is_dir() else None
+    subsets: dict[str, list[np.ndarray]] = {}
+    for shot in shots:
+        name = PERCENT_TAG if shot == PERCENT_TAG else f"{int(shot)}imgs_class"
+        chosen = []
+        for split in range(1, splits + 1):
+            path = directory / split_file_name(shot, split) if directory else None
+            if path is not None and path.is_file():
+                chosen.append(resolve_subset(path, train))
+            elif shot == PERCENT_TAG:
+                chosen.append(percent_indices(labels, 0.01, seed=split))
+            else:
+                chosen.append(class_balanced_indices(labels, int(shot), seed=split))
+        subsets[name] = chosen
+    return subsets
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,108 @@
+"""A lean HTTP/1.1 load generator for ``POST /embed``: pre-built multipart requests over keep-alive sockets.
+
+On a machine where the clients share cores with the server (the 2-core development VM, pinned to one core), a
+general-purpose client such as httpx spends more CPU per request than the server does, so the measured throughput
+would mostly say how fast the clients are. Here each request is bytes built once; a response is read as status
+line + headers + ``Content-Length`` bytes. Each client process also reports its own CPU time, and
+:func:`cpu_seconds` reads a server's, so a benchmark can say where the core went.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+BOUNDARY = "msnbenchboundary7d1c"
+
+
+def embed_request(host: str, image: bytes, *, mask: str | None = None, accept: str | None = None,
+                  normalize: bool = False) -> bytes:
+    """The bytes of one ``POST /embed`` with one image as multipart (what ``curl -F image=@x.png`` sends)."""
+    parts = [f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n'
+             f"Content-Type: image/png\r\n\r\n".encode() + image + b"\r\n"]
+    for name, value in (("mask", mask), ("normalize", "true" if normalize else None)):
+        if value is not None:
+            parts.append(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode())
+    body = b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
+    head = (f"POST /embed HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+            f"Content-Length: {len(body)}\r\n" + (f"Accept: {accept}\r\n" if accept else "") + "\r\n")
+    return head.encode() + body
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, int]:
+    """Send one request, read its whole response: ``(status, body bytes)``."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    await reader.readexactly(length)
+    return status, length
+
+
+async def _run(port: int, requests: list[bytes], concurrency: int, ids: list[int], start_at: float) -> dict:
+    lat: list[float] = []
+    errors = 0
+    counter = iter(ids)
+
+    async def client() -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(2):  # warm the connection and the server's code paths
+            await _exchange(reader, writer, requests[0])
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        for i in counter:
+            t0 = time.perf_counter()
+            status, _ = await _exchange(reader, writer, requests[i % len(requests)])
+            lat.append(time.perf_counter() - t0)
+            errors += status != 200
+        writer.close()
+
+    cpu0 = time.process_time()
+    await asyncio.gather(*[client() for _ in range(concurrency)])
+    return {"lat": lat, "errors": errors, "end": time.time(), "cpu_s": time.process_time() - cpu0}
+
+
+def _process(args: tuple) -> dict:
+    return asyncio.run(_run(*args))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (all its threads), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(port: int, requests: list[bytes], concurrency: int, total: int, procs: int = 1,
+        server_pid: int | None = None) -> dict:
+    """``concurrency`` single-image clients (one connection each) over ``procs`` processes, released together;
+    ``total`` requests, cycling through ``requests``. Reports images/s, latency percentiles and CPU seconds."""
+    procs = max(1, min(procs, concurrency))
+    start_at = time.time() + 2.0
+    jobs = [(port, requests, concurrency // procs + (p < concurrency % procs), list(range(p, total, procs)),
+             start_at) for p in range(procs)]
+    with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_process, j) for j in jobs]
+        while time.time() < start_at:
+            time.sleep(0.01)
+        server_cpu0 = cpu_seconds(server_pid) if server_pid else None
+        results = [f.result() for f in futures]
+    wall = max(r["end"] for r in results) - start_at
+    lat = np.asarray([x for r in results for x in r["lat"]])
+    out = {"concurrency": concurrency, "client_processes": procs, "requests": total,
+           "errors": sum(r["errors"] for r in results), "images_per_s": total / wall,
+           "p50_ms": float(1e3 * np.percentile(lat, 50)), "p99_ms": float(1e3 * np.percentile(lat, 99)),
+           "client_cpu_s": round(sum(r["cpu_s"] for r in results), 3), "wall_s": round(wall, 3)}
+    if server_pid:
+        out["server_cpu_s"] = round(cpu_seconds(server_pid) - server_cpu0, 3)
+        out["server_cpu_ms_per_image"] = 1e3 * out["server_cpu_s"] / total
+    return out

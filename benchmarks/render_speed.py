@@ -1,0 +1,108 @@
+"""Markdown for issue 15's serving-speed figures (used by render_docs.py): the one-core serve_bench run and the
+profile of the ``/embed`` path. Nothing here measures; every figure comes from a results file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return (text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")) if text else ""
+
+
+def _accept(row: dict) -> str:
+    return {"application/json": "JSON", "application/octet-stream": "raw float32"}.get(row.get("accept"), "JSON")
+
+
+def http_lines(report: dict) -> list[str]:
+    """Single-image clients, the interleaved 64-client rounds against offline, and the verdict on the targets."""
+    lines = ["| single-image clients | response | images/s | p50 ms | p99 ms | server CPU ms / image |",
+             "|---|---|---|---|---|---|"]
+    rows = report["http"] + [dict(report["http_mixed_masks"], concurrency="16, mixed mask ratios")]
+    for r in rows:
+        lines.append(f"| {r['concurrency']} | {_accept(r)} | {r['images_per_s']:.1f} | {r['p50_ms']:.0f} | "
+                     f"{r['p99_ms']:.0f} | {r.get('server_cpu_ms_per_image', float('nan')):.2f} |")
+    offs = report.get("offline_runs", [report["offline_batched"]])
+    lines += ["", ("Offline batched (decode + preprocess + ORT in one process, batch "
+                   f"{report['offline_batched']['batch']}), runs interleaved with the 64-client rounds: "
+                   + ", ".join(f"{o['images_per_s']:.1f}" for o in offs) + " images/s, "
+                   + ", ".join(f"{o['cpu_ms_per_image']:.2f}" for o in offs) + " CPU ms / image."), ""]
+    lines += [("| 64 clients | HTTP / offline (wall, per round) | HTTP / offline (CPU per image) | p99 ms | "
+              "bound: max-wait + 2 batch times |"), "|---|---|---|---|---|"]
+    for accept, r in report.get("http_64", {}).items():
+        rounds = ", ".join(f"{x:.2f}" for x in r["http_vs_offline_rounds"])
+        lines.append(f"| {_accept({'accept': accept})} | {r['http_vs_offline']:.2f} ({rounds}) | "
+                     f"{r['http_vs_offline_cpu']:.2f} | {r['p99_ms']:.0f} | {r['p99_bound_ms']:.0f} |")
+    return lines + [""]
+
+
+def one_core_section(report: dict) -> list[str]:
+    from render_docs import faiss_lines, int8_lines, machine_line
+    m = report["machine"]
+    lines = [f"Machine: {machine_line(m)}, {m['cores_visible']} core used ({report.get('threads', 1)} ONNX Runtime "
+             f"/ FAISS thread). {_sentence(report.get('note', ''))}".rstrip(), ""]
+    if "int8" in report:
+        lines += int8_lines(report["int8"])
+    if "faiss_tuned" in report:
+        lines += faiss_lines(report["faiss_tuned"])
+    if "http" in report:
+        lines += http_lines(report)
+    return lines
+
+
+def profile_section(report: dict) -> list[str]:
+    from render_docs import machine_line
+    us = report["per_request_us"]
+    lines = [f"Machine: {machine_line(report['machine'])}. {_sentence(report.get('note', ''))}".rstrip(), "",
+             ("Per request, in-process (µs): "
+             f"multipart parse {us['multipart_parse_us']:.0f}, decode + preprocess {us['decode_preprocess_us']:.0f}, "
+             f"response with standard-library JSON {us['json_stdlib_response_us']:.0f} (before), orjson JSON "
+             f"{us['json_orjson_response_us']:.0f} (now), raw float32 {us['raw_response_us']:.0f}, .npy "
+             f"{us['npy_response_us']:.0f}; bodies: JSON {us['json_body_bytes']:,} bytes, raw "
+             f"{us['raw_body_bytes']:,}, request {us['request_bytes']:,}."), ""]
+    runs = report["event_loop"]
+    labels = list(runs[0]["share"])
+    lines += ["| event-loop CPU at 64 clients (cProfile, thread CPU time) | "
+              + " | ".join(_accept(r) + " responses" for r in runs) + " |",
+              "|---|" + "---|" * len(runs)]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(f"{100 * r['share'].get(label, 0):.0f} %" for r in runs) + " |")
+    ab = report.get("decode_pool_vs_event_loop")
+    if ab:
+        def mean(mode: str, key: str) -> float:
+            xs = [r[key] for r in ab["runs"] if r["mode"] == mode]
+            return sum(xs) / len(xs)
+        lines += ["", (f"Decoding in the pre-processing pool vs in the event loop ({ab['note']}): pool "
+                       f"{mean('pool', 'images_per_s'):.1f} images/s, {mean('pool', 'server_cpu_ms_per_image'):.2f} "
+                       f"server CPU ms / image, p99 {mean('pool', 'p99_ms'):.0f} ms; event loop "
+                       f"{mean('inline', 'images_per_s'):.1f} images/s, "
+                       f"{mean('inline', 'server_cpu_ms_per_image'):.2f} ms / image, p99 "
+                       f"{mean('inline', 'p99_ms'):.0f} ms.")]
+    return lines + [""]
+
+
+def sections(results: Path) -> list[str]:
+    import json
+    lines: list[str] = []
+    one = results / "serve_bench-1core.json"
+    if one.exists():
+        report = json.loads(one.read_text())
+        lines += ["## Serving speed on one core (issue 15)", "",
+                  (f"`taskset -c 1 python benchmarks/serve_bench.py --bundle bundles/{Path(report['bundle']).name} "
+                   f"--only {' '.join(report['sections'])} --client-procs 1` (with `OMP_NUM_THREADS=1`)."), ""]
+        lines += one_core_section(report)
+    faiss = results / "faiss_1m-1core.json"
+    if faiss.exists():
+        from render_docs import faiss_lines, machine_line
+        report = json.loads(faiss.read_text())
+        lines += ["### FAISS at a million vectors, one core", "",
+                  (f"`taskset -c 1 python benchmarks/faiss_bench.py --bundle bundles/{Path(report['bundle']).name} "
+                   f"--kinds {' '.join(report['kinds'])}` (with `OMP_NUM_THREADS=1`)."), "",
+                  f"Machine: {machine_line(report['machine'])}. {_sentence(report.get('note', ''))}".rstrip(), ""]
+        lines += faiss_lines(report["faiss_tuned"])
+    prof = results / "embed_profile.json"
+    if prof.exists():
+        lines += ["### Where `/embed` spends its CPU", "",
+                  "`taskset -c 1 python benchmarks/embed_profile.py --bundle bundles/bench`.", ""]
+        lines += profile_section(json.loads(prof.read_text()))
+    return lines
