@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.label_report import JSON_PATH, PLOT_PATH, plot, render_into_results
-
 from benchmarks.results_report import machine
 from msn_core.lowshot import DEFAULT_LAMBD, fit_logistic
 from msn_serve import labelloop

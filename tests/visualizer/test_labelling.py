@@ -17,7 +17,7 @@ from PIL import Image
 from tests.visualizer.test_app import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serve"))
-from serve_helpers import Server  # noqa: E402
+from serve_helpers import Server
 
 COLOURS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (30, 40, 200)}
 PER_CLASS = 8
