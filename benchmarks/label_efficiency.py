@@ -1,8 +1,8 @@
 """The label-efficient loop on Fashion-MNIST: accuracy against the number of labels a person gives.
 
-    python benchmarks/label_efficiency.py --bundle runs/label-bundle           # ~15 min on one core
-    python benchmarks/label_efficiency.py --bundle B --seeds 1 --budgets 10 20 # a quick look at any bundle
-    python benchmarks/label_efficiency.py --bundle B --latency-only            # only the 100k-item latencies
+    python benchmarks/label_efficiency.py --bundle runs/label-bundle           # ~45 min on one core
+    python benchmarks/label_efficiency.py --bundle B --seeds 1 --budgets 10 20 --parts accuracy  # a quick look
+    python benchmarks/label_efficiency.py --bundle B --parts latency          # the 100k-item latencies
 
 The 60,000 training images are the unlabelled pool and the 10,000 test images score the classifier; a label is
 revealed only for ids a strategy picked. Budgets are reached in rounds of ``--round`` labels, as a person would:
@@ -12,13 +12,14 @@ revealed only for ids a strategy picked. Budgets are reached in rounds of ``--ro
 classifier fitted so far) afterwards. Selection and suggestion run the service's own code
 (:mod:`msn_serve.labelloop`, on a seeded ``select_candidates`` sample of the pool, as the endpoints do); fits are
 the service's low-shot classifier (:mod:`msn_core.lowshot`, default lambda). The same loop on raw pixels is the
-control. ``--latency`` then times the four endpoints over HTTP against a real ``msn-serve`` holding a 100k-item
-index. Writes ``benchmarks/results/label_efficiency.json``, ``docs/label_efficiency.png`` and ``docs/results.md``.
+control. ``--parts selectors`` compares every cold-start selector; ``--parts latency`` times the four endpoints
+over HTTP against a real ``msn-serve`` holding a 100k-item index. Writes ``benchmarks/results/label_efficiency.json``, ``docs/label_efficiency.png`` and ``docs/results.md``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ from msn_serve import labelloop
 from msn_serve.config import Settings
 
 STRATEGIES = ("random", "select", "select+suggest")
+PARTS = ("accuracy", "selectors", "latency")
 
 
 def features(bundle: Path, backend: str, cache: Path) -> dict[str, np.ndarray]:
@@ -119,6 +121,22 @@ def accuracy_study(args: argparse.Namespace) -> dict:
     return results
 
 
+def selector_study(args: argparse.Namespace) -> dict:
+    """Every cold-start selector (and uniform random) at the first two rounds, to choose the default."""
+    out: dict = {}
+    for backend in args.features:
+        data = features(args.bundle, backend, args.cache_dir)
+        out[backend] = {}
+        for selector in labelloop.SELECT_STRATEGIES:
+            loop = Loop(data, args.candidates, selector, args.suggester)
+            budgets = [args.round, 2 * args.round]
+            runs = {seed: loop.run("select", seed, budgets, args.round) for seed in range(args.seeds)}
+            out[backend][selector] = summarise(runs, budgets)
+            row = "  ".join(f"{b}: {v['mean']:.1f} ± {v['std']:.1f}" for b, v in out[backend][selector].items())
+            print(f"{backend:6s} selector {selector:8s} {row}", flush=True)
+    return out
+
+
 def targets(acc: dict) -> dict:
     """The issue's targets, each with the figures it was judged on."""
     msn = acc.get("onnx", {})
@@ -154,26 +172,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", nargs="+", default=["onnx", "pixels"], choices=["onnx", "pixels"])
     p.add_argument("--candidates", type=int, default=Settings.model_fields["select_candidates"].default)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "msn-eval")
-    p.add_argument("--latency", action="store_true", help="also time the endpoints at a 100k-item index")
-    p.add_argument("--latency-only", action="store_true")
+    p.add_argument("--parts", nargs="+", default=["accuracy", "selectors"], choices=PARTS,
+                   help="accuracy: the strategies table; selectors: every cold-start selector at 10 and 20 labels; "
+                        "latency: the endpoints at a --latency-items index (run it on a quiet machine). Parts not "
+                        "run keep their figures from --out")
     p.add_argument("--latency-items", type=int, default=100_000)
     p.add_argument("--out", type=Path, default=JSON_PATH)
     p.add_argument("--no-docs", action="store_true", help="do not write the plot and docs/results.md")
     args = p.parse_args(argv)
     if any(b % args.round for b in args.budgets):
         p.error("every budget must be a multiple of --round")
-    report = json.loads(args.out.read_text()) if args.out.exists() and args.latency_only else {}
-    report.update({"machine": machine(), "bundle": str(args.bundle), "command": " ".join(sys.argv)})
-    if not args.latency_only:
-        from msn_core.bundle import load_bundle_info
+    from msn_core.bundle import load_bundle_info
 
-        info = load_bundle_info(args.bundle)
-        report.update({"bundle_model_id": info.model_id, "seeds": args.seeds, "budgets": args.budgets,
-                       "round": args.round, "selector": args.selector, "suggester": args.suggester,
-                       "candidates": args.candidates, "pool": 60_000, "test": 10_000,
-                       "accuracy": accuracy_study(args)})
+    report = json.loads(args.out.read_text()) if args.out.exists() else {}
+    report.pop("command", None)
+    report.setdefault("commands", {})
+    for part in args.parts:
+        report["commands"][part] = " ".join(sys.argv)
+    if report.get("bundle_model_id") not in (None, load_bundle_info(args.bundle).model_id) and \
+            "accuracy" not in args.parts:
+        p.error(f"{args.out} holds figures of bundle {report['bundle']}; rerun the accuracy part for this one")
+    bundle = args.bundle.resolve()
+    shown = str(bundle.relative_to(ROOT)) if bundle.is_relative_to(ROOT) else str(bundle)
+    report.update({"machine": machine(), "cores_used": sorted(os.sched_getaffinity(0)), "bundle": shown,
+                   "bundle_model_id": load_bundle_info(args.bundle).model_id})
+    if "accuracy" in args.parts:
+        report.update({"seeds": args.seeds, "budgets": args.budgets, "round": args.round,
+                       "selector": args.selector, "suggester": args.suggester, "candidates": args.candidates,
+                       "pool": 60_000, "test": 10_000, "accuracy": accuracy_study(args)})
         report["targets"] = targets(report["accuracy"])
-    if args.latency or args.latency_only:
+    if "selectors" in args.parts:
+        report["selectors"] = selector_study(args)
+    if "latency" in args.parts:
         from benchmarks.label_latency import measure
 
         report["latency"] = measure(args.bundle, args.latency_items)

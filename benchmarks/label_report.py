@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JSON_PATH = ROOT / "benchmarks" / "results" / "label_efficiency.json"
 PLOT_PATH = Path("docs") / "label_efficiency.png"
 FEATURES = {"onnx": "MSN", "pixels": "raw pixels"}
+HEADER = "## The label-efficient loop: which images to label"
 
 
 def plot(report: dict, out: Path) -> None:
@@ -44,8 +45,9 @@ def _cell(v: dict | None) -> str:
 
 def render_label_efficiency(report: dict) -> str:
     budgets = [str(b) for b in report["budgets"]]
-    lines = ["## The label-efficient loop: which images to label", "",
-             (f"`python benchmarks/label_efficiency.py` on {report['machine']}, bundle `{report['bundle']}` "
+    lines = [HEADER, "",
+             (f"`python benchmarks/label_efficiency.py` on {report['machine']} (pinned to core(s) "
+              f"{report.get('cores_used', '?')}), bundle `{report['bundle']}` "
               f"(`{report.get('bundle_model_id', '?')}`). The 60,000 Fashion-MNIST training images are the "
               "unlabelled pool, the 10,000 test images score the classifier; labels are revealed only for picked "
               f"ids, {report['round']} per round. `random` draws uniformly from the pool (not class-balanced); "
@@ -79,6 +81,17 @@ def render_label_efficiency(report: dict) -> str:
         pairs = ", ".join(f"{b}: {m:.1f} vs {p:.1f}" for b, (m, p) in g["msn_vs_pixels"].items())
         lines.append(f"- MSN beats raw pixels at 10, 20 and 50 labels ({g['strategy']}): {pairs}; "
                      f"{'met' if g['met'] else '**missed**'}.")
+    sel = report.get("selectors")
+    if sel:
+        rounds = sorted({b for rows in next(iter(sel.values())).values() for b in rows}, key=int)
+        lines += ["", ("Cold-start selectors (`select` strategy of `POST /index/{name}/select`, every round; "
+                       "top-1 %, mean ± std over the same seeds):"), "",
+                  "| features | selector | " + " | ".join(f"{b} labels" for b in rounds) + " |",
+                  "|---|---|" + "---|" * len(rounds)]
+        for backend, by_selector in sel.items():
+            for selector, rows in by_selector.items():
+                lines.append(f"| {FEATURES.get(backend, backend)} | {selector} | "
+                             + " | ".join(_cell(rows.get(b)) for b in rounds) + " |")
     lat = report.get("latency")
     if lat:
         lines += ["", (f"Endpoint latency at a {lat['items']:,}-item `{lat['index']}` index of {lat['dim']}-d "
@@ -93,10 +106,20 @@ def render_label_efficiency(report: dict) -> str:
 
 
 def render_into_results(docs: Path) -> None:
-    """Re-render ``docs/results.md`` (which includes this section when the JSON exists)."""
-    from benchmarks.results_report import render
-
-    (docs / "results.md").write_text(render(docs))
+    """Put this section into ``docs/results.md`` in place (replacing an older one, else before the discussion),
+    leaving the other sections as they are (``results_report.render`` places it the same way)."""
+    path, text = docs / "results.md", (docs / "results.md").read_text()
+    new = section(docs)
+    start = text.find(HEADER)
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + new + ("\n" + text[end + 1:] if end >= 0 else "")
+    elif "\n## Discussion" in text:
+        at = text.index("\n## Discussion") + 1
+        text = text[:at] + new + "\n" + text[at:]
+    else:
+        text = text.rstrip() + "\n\n" + new
+    path.write_text(text.rstrip() + "\n")
 
 
 def section(docs: Path) -> str | None:
