@@ -37,7 +37,7 @@ from msn_serve import labelloop
 from msn_serve.config import Settings
 
 STRATEGIES = ("random", "select", "select+suggest")
-PARTS = ("accuracy", "selectors", "latency")
+PARTS = ("accuracy", "selectors", "coverage", "latency")
 
 
 def features(bundle: Path, backend: str, cache: Path) -> dict[str, np.ndarray]:
@@ -137,6 +137,19 @@ def selector_study(args: argparse.Namespace) -> dict:
     return out
 
 
+def coverage_study(args: argparse.Namespace) -> dict:
+    """Classes among the first round's labels (what a uniform draw misses and the selector finds)."""
+    out: dict = {}
+    for backend in args.features:
+        data = features(args.bundle, backend, args.cache_dir)
+        loop = Loop(data, args.candidates, args.selector, args.suggester)
+        y = data["y_train"]
+        out[backend] = {s: [len(set(y[loop.pick(s, [], args.round, seed, 0, None)].tolist()))
+                            for seed in range(args.seeds)] for s in ("random", "select")}
+        print(f"{backend:6s} classes in the first {args.round} labels: {out[backend]}", flush=True)
+    return out
+
+
 def targets(acc: dict) -> dict:
     """The issue's targets, each with the figures it was judged on."""
     msn = acc.get("onnx", {})
@@ -172,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--features", nargs="+", default=["onnx", "pixels"], choices=["onnx", "pixels"])
     p.add_argument("--candidates", type=int, default=Settings.model_fields["select_candidates"].default)
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "msn-eval")
-    p.add_argument("--parts", nargs="+", default=["accuracy", "selectors"], choices=PARTS,
+    p.add_argument("--parts", nargs="+", default=["accuracy", "selectors", "coverage"], choices=PARTS,
                    help="accuracy: the strategies table; selectors: every cold-start selector at 10 and 20 labels; "
+                        "coverage: classes among the first round's labels; "
                         "latency: the endpoints at a --latency-items index (run it on a quiet machine). Parts not "
                         "run keep their figures from --out")
     p.add_argument("--latency-items", type=int, default=100_000)
@@ -203,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         report["targets"] = targets(report["accuracy"])
     if "selectors" in args.parts:
         report["selectors"] = selector_study(args)
+    if "coverage" in args.parts:
+        report["coverage"] = coverage_study(args)
     if "latency" in args.parts:
         from benchmarks.label_latency import measure
 

@@ -2,7 +2,7 @@
 
 Both run in the classifier's own space (row centring + L2, :func:`msn_core.lowshot.center_and_normalize`), so
 "diverse" means diverse for the model that will be fitted. Everything is deterministic for a seed: the candidate
-sample, FAISS k-means (one thread is not needed for that: FAISS k-means is seeded) and every tie-break.
+sample, FAISS k-means (seeded; trained on every candidate so no internal subsample varies) and every tie-break.
 
 Cold start (``select``), measured by ``benchmarks/label_efficiency.py``:
 
@@ -14,21 +14,17 @@ Cold start (``select``), measured by ``benchmarks/label_efficiency.py``:
   but it favours outliers).  ``random``: uniform, the baseline.
 
 Suggestions (``suggest``) rank unlabelled items by uncertainty (``margin``: 1 - (p1 - p2), or ``entropy``) and keep
-them diverse: the most uncertain ``pool_factor * n`` candidates are clustered into ``n`` groups and the most
+them diverse: the most uncertain ``POOL_FACTOR * n`` candidates are clustered into ``n`` groups and the most
 uncertain member of each group is taken, so 20 suggestions are never 20 near-duplicates. ``typical`` continues the
 cold-start selector with the labelled items as covered clusters (no classifier needed); ``random`` is the baseline.
 """
 from __future__ import annotations
-
-from typing import Literal
 
 import faiss
 import numpy as np
 
 from msn_core.lowshot import center_and_normalize
 
-SelectStrategy = Literal["typical", "kmeans", "kcenter", "random"]
-SuggestStrategy = Literal["margin", "entropy", "typical", "random"]
 SELECT_STRATEGIES: tuple[str, ...] = ("typical", "kmeans", "kcenter", "random")
 SUGGEST_STRATEGIES: tuple[str, ...] = ("margin", "entropy", "typical", "random")
 KNN = 20  # neighbours for the typicality estimate (TypiClust's choice)
