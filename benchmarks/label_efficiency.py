@@ -210,15 +210,22 @@ def main(argv: list[str] | None = None) -> int:
     shown = str(bundle.relative_to(ROOT)) if bundle.is_relative_to(ROOT) else str(bundle)
     report.update({"machine": machine(), "cores_used": sorted(os.sched_getaffinity(0)), "bundle": shown,
                    "bundle_model_id": load_bundle_info(args.bundle).model_id})
+    def save() -> None:  # after each part, so a later part's failure loses nothing
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
     if "accuracy" in args.parts:
         report.update({"seeds": args.seeds, "budgets": args.budgets, "round": args.round,
                        "selector": args.selector, "suggester": args.suggester, "candidates": args.candidates,
                        "pool": 60_000, "test": 10_000, "accuracy": accuracy_study(args)})
         report["targets"] = targets(report["accuracy"])
+        save()
     if "selectors" in args.parts:
         report["selectors"] = selector_study(args)
+        save()
     if "coverage" in args.parts:
         report["coverage"] = coverage_study(args)
+        save()
     if "latency" in args.parts:
         from benchmarks.label_latency import measure
 
@@ -226,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report.get("targets", {}), indent=1))
     if "latency" in report:
         print(json.dumps(report["latency"], indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    save()
     if not args.no_docs and "accuracy" in report:
         plot(report, ROOT / PLOT_PATH)
         render_into_results(ROOT / "docs")

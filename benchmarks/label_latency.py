@@ -21,7 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 15
-ADD_BATCH = 10_000
+ADD_BATCH = 4_000  # 4k x 192 floats of JSON stay under the default 32 MB body limit
 
 
 def _free_port() -> int:
