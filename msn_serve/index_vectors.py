@@ -3,13 +3,13 @@
 Every index kind the service creates can give its vectors back exactly: ``flat`` and ``hnsw`` through their flat
 storage (``IndexIDMap2`` keeps the id of each row), ``ivf`` (``IndexIVFFlat``) from its inverted lists, which hold
 the raw float32 rows. ``ivfpq`` (only from ``msn-index build``) keeps product-quantised codes, so its vectors
-cannot be recovered: the label loop refuses it with a 422 that says so. Vectors come back as stored, L2-normalised
-for ``normalize`` indexes; the low-shot classifier centres and normalises each row, so a fit on them equals a fit
-on the raw embeddings.
+cannot be recovered: the label loop refuses it with a 422 that says so.
 
-The whole matrix is copied once per index version (``seq``) and kept beside the index: the label loop reads all of
-it on every call, and FAISS' own storage may change under a later add. It costs one more copy of the vectors
-(77 MB at 100k x 192 float32) for the indexes the loop is used on.
+The vectors are kept in the low-shot classifier's space (each row centred and L2-normalised,
+:func:`msn_serve.labelloop.as_space`): the classifier normalises its input the same way, so a fit on them equals a
+fit on the raw embeddings (whether the index normalised them or not), and select/suggest/predict_index work on them
+without converting anything per call. The matrix is built once per index version (``seq``) and kept beside the
+index (FAISS' own storage may change under a later add): one more copy of the vectors, 77 MB at 100k x 192.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import unprocessable
 from .indexes import ManagedIndex
+from .labelloop import as_space
 
 LOOP_KINDS = ("flat", "ivf", "hnsw")
 
@@ -30,7 +31,8 @@ def check_kind(idx: ManagedIndex) -> None:
 
 
 def stored_vectors(idx: ManagedIndex) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids ascending int64 (n,), vectors float32 (n, d))`` of every stored item, cached per index version."""
+    """``(ids ascending int64 (n,), vectors float32 (n, d) in the classifier's space)`` of every stored item,
+    cached per index version."""
     check_kind(idx)
     with idx.lock:
         idx._check_open()
@@ -39,7 +41,7 @@ def stored_vectors(idx: ManagedIndex) -> tuple[np.ndarray, np.ndarray]:
             return cached[1], cached[2]
         ids, vecs = _read_all(idx.index, idx.cfg.type, idx.cfg.dim)
         order = np.argsort(ids, kind="stable")
-        ids, vecs = ids[order], np.ascontiguousarray(vecs[order])
+        ids, vecs = ids[order], as_space(vecs[order])
         idx._loop_vectors = (idx.seq, ids, vecs)
         return ids, vecs
 

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from msn_core.lowshot import LinearClassifier
-
 from . import labelloop
 from .errors import check_name, unprocessable
 from .fewshot import FewShotClassifier
@@ -50,9 +48,8 @@ def select(indexes: IndexStore, name: str, req: SelectRequest, candidates: int) 
     ids, vecs = _nonempty(indexes.get(check_name(name, "index name")), name)
     covered = _excluded(ids, req.exclude_ids)
     cand = labelloop.candidate_positions(len(ids), candidates, req.seed, covered)
-    space = labelloop.as_space(vecs[cand]) if len(cand) else np.zeros((0, vecs.shape[1]), np.float32)
-    cov = labelloop.as_space(vecs[covered]) if len(covered) else None
-    picks = labelloop.select(space, req.n, req.strategy, req.seed, cov) if len(cand) else np.zeros(0, np.int64)
+    cov = vecs[covered] if len(covered) else None
+    picks = labelloop.select(vecs[cand], req.n, req.strategy, req.seed, cov) if len(cand) else np.zeros(0, np.int64)
     return {"index": name, "ids": ids[cand[picks]].tolist(), "strategy": req.strategy, "seed": req.seed,
             "available": int(len(ids) - len(covered)), "candidates": len(cand)}
 
@@ -69,10 +66,16 @@ def _check_dims(clf: FewShotClassifier, idx: ManagedIndex, name: str) -> None:
                             f"holds {idx.cfg.dim}-d ones")
 
 
-def _probabilities(clf: FewShotClassifier, vecs: np.ndarray) -> np.ndarray:
-    model = LinearClassifier(clf.weights, np.asarray(clf.classes))
-    return np.concatenate([model.probabilities(vecs[i: i + CHUNK]) for i in range(0, len(vecs), CHUNK)]) \
-        if len(vecs) else np.zeros((0, len(clf.classes)))
+def _probabilities(clf: FewShotClassifier, space: np.ndarray) -> np.ndarray:
+    """Softmax of ``space @ weights`` in float32 (rows already centred and normalised, so this equals
+    :meth:`msn_core.lowshot.LinearClassifier.probabilities` without its per-call float64 copy)."""
+    out = np.empty((len(space), len(clf.classes)), np.float32)
+    for i in range(0, len(space), CHUNK):
+        logits = space[i: i + CHUNK] @ clf.weights
+        logits -= logits.max(axis=1, keepdims=True)
+        np.exp(logits, out=logits)
+        out[i: i + CHUNK] = logits / logits.sum(axis=1, keepdims=True)
+    return out
 
 
 def suggest(indexes: IndexStore, clf: FewShotClassifier, req: SuggestRequest, candidates: int) -> dict[str, Any]:
@@ -89,9 +92,9 @@ def suggest(indexes: IndexStore, clf: FewShotClassifier, req: SuggestRequest, ca
                            "available": int(len(ids) - len(covered)), "candidates": len(cand)}
     if not len(cand):
         return {**out, "ids": [], "uncertainty": []}
-    space = labelloop.as_space(vecs[cand])
-    probs = _probabilities(clf, vecs[cand])
-    cov = labelloop.as_space(vecs[covered]) if len(covered) else None
+    space = vecs[cand]
+    probs = _probabilities(clf, space)
+    cov = vecs[covered] if len(covered) else None
     picks = labelloop.suggest(space, probs, req.n, req.strategy, req.seed, cov)
     unc = labelloop.uncertainty(probs[picks], "entropy" if req.strategy == "entropy" else "margin")
     return {**out, "ids": ids[cand[picks]].tolist(), "uncertainty": [round(float(u), 6) for u in unc]}

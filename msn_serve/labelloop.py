@@ -23,12 +23,11 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from msn_core.lowshot import center_and_normalize
-
 SELECT_STRATEGIES: tuple[str, ...] = ("typical", "kmeans", "kcenter", "random")
 SUGGEST_STRATEGIES: tuple[str, ...] = ("margin", "entropy", "typical", "random")
 KNN = 20  # neighbours for the typicality estimate (TypiClust's choice)
-MAX_DENSITY_MEMBERS = 500  # typicality of a cluster estimated from at most this many members (cost is quadratic)
+DENSITY_ROWS, DENSITY_REFS = 200, 400  # typicality: rows scored per cluster, reference rows (cost is their product)
+NITER, KMEANS_POINTS = 20, 256  # k-means iterations; training rows per centroid (FAISS' default sample)
 POOL_FACTOR = 5  # suggest: the most uncertain POOL_FACTOR * n candidates are clustered into n groups
 
 
@@ -44,27 +43,35 @@ def candidate_positions(total: int, limit: int, seed: int, exclude=()) -> np.nda
 
 
 def as_space(vecs: np.ndarray) -> np.ndarray:
-    """Float32 rows in the classifier's space (centred, unit length), C-contiguous for FAISS."""
-    return np.ascontiguousarray(center_and_normalize(vecs), dtype=np.float32)
+    """Float32 rows in the classifier's space (centred, unit length), C-contiguous for FAISS. The low-shot
+    classifier's own normalisation leaves these rows unchanged, so they can be fitted and scored as they are."""
+    x = np.array(vecs, dtype=np.float32, order="C", copy=True)
+    x -= x.mean(axis=1, keepdims=True)
+    x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    return x
 
 
-def kmeans_assign(x: np.ndarray, k: int, seed: int, niter: int = 20) -> tuple[np.ndarray, np.ndarray]:
-    """``(centroids (k, d), assignment (n,))`` from seeded FAISS k-means; ``k`` is capped at ``len(x)``."""
+def kmeans_assign(x: np.ndarray, k: int, seed: int, niter: int = NITER) -> tuple[np.ndarray, np.ndarray]:
+    """``(centroids (k, d), assignment (n,))`` from seeded FAISS k-means (trained on a seeded sample of at most
+    ``KMEANS_POINTS`` rows per centroid, then every row assigned); ``k`` is capped at ``len(x)``."""
     k = max(1, min(int(k), len(x)))
     km = faiss.Kmeans(x.shape[1], k, niter=niter, seed=int(seed) & 0x7FFFFFFF, spherical=True,
-                      max_points_per_centroid=max(256, -(-len(x) // k)), verbose=False)
+                      max_points_per_centroid=KMEANS_POINTS, verbose=False)
     km.train(x)
     _, assign = km.index.search(x, 1)
     return km.centroids, assign.reshape(-1)
 
 
-def typicality(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Inverse mean squared distance of each row to its ``KNN`` nearest rows of ``x`` (its density)."""
-    ref = x if len(x) <= MAX_DENSITY_MEMBERS else x[np.sort(rng.choice(len(x), MAX_DENSITY_MEMBERS, replace=False))]
-    d2 = np.maximum(2.0 - 2.0 * (x @ ref.T), 0.0)  # unit rows: |a - b|^2 = 2 - 2 a.b
+def typicality(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, density)``: a seeded sample of at most ``DENSITY_ROWS`` rows of ``x`` and each one's inverse mean
+    squared distance to its ``KNN`` nearest among at most ``DENSITY_REFS`` reference rows (a cluster's density,
+    estimated at a bounded cost whatever the cluster's size)."""
+    rows = np.arange(len(x)) if len(x) <= DENSITY_ROWS else np.sort(rng.choice(len(x), DENSITY_ROWS, replace=False))
+    ref = x if len(x) <= DENSITY_REFS else x[np.sort(rng.choice(len(x), DENSITY_REFS, replace=False))]
+    d2 = np.maximum(2.0 - 2.0 * (x[rows] @ ref.T), 0.0)  # unit rows: |a - b|^2 = 2 - 2 a.b
     k = min(KNN + 1, ref.shape[0])  # +1: a row is usually its own nearest reference
     nearest = np.partition(d2, k - 1, axis=1)[:, :k]
-    return 1.0 / (nearest.mean(axis=1) + 1e-6)
+    return rows, 1.0 / (nearest.mean(axis=1) + 1e-6)
 
 
 def select_typical(x: np.ndarray, n: int, seed: int, covered: np.ndarray | None = None) -> np.ndarray:
@@ -82,7 +89,8 @@ def select_typical(x: np.ndarray, n: int, seed: int, covered: np.ndarray | None 
     out = []
     for c in order[:n]:
         members = np.flatnonzero(assign == c)
-        out.append(int(members[np.argmax(typicality(x[members], rng))]))
+        rows, density = typicality(x[members], rng)
+        out.append(int(members[rows[np.argmax(density)]]))
     return _top_up(np.asarray(out, dtype=np.int64), len(x), n, rng)
 
 
