@@ -52,15 +52,17 @@ demo: setup data
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --shots 1 2 5 \
 		--splits 3 --no-progress
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --no-progress
-	$(PY) -m training.examples --out $(DEMO_RUN)/example.png
+	$(PY) -m training.examples --out $(DEMO_RUN)/example.png --folder $(DEMO_RUN)/unlabelled --count 500
 	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_32.yaml \
 		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS)
 	@echo
 	@echo "Visualizer (mask an image, sample from the decoder): http://127.0.0.1:$(DEMO_APP_PORT)"
+	@echo "  its Labelling tab: folder $(DEMO_RUN)/unlabelled, classes e.g. top, trouser, dress, coat, shoe, bag"
 	@echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; Ctrl-C stops both). Try:"
 	@echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"
 	@echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"
-	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) & app=$$!; \
+	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) \
+		--serve-url http://127.0.0.1:$(DEMO_PORT) & app=$$!; \
 		trap 'kill $$app 2>/dev/null' EXIT; \
 		$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 --port $(DEMO_PORT)
 

@@ -254,6 +254,11 @@ def render(docs: Path) -> str:
         parts.append(render_budget(json.loads(budget.read_text())))
     if rcdm.exists():
         parts.append(render_rcdm(json.loads(rcdm.read_text())))
+    from benchmarks.label_report import section  # benchmarks/label_efficiency.py
+
+    label = section(docs)
+    if label:
+        parts.append(label)
     if notes.exists():
         parts += ["## Discussion", "", notes.read_text()]
     return "\n".join(parts).rstrip() + "\n"

@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     max_label_chars: int = Field(256, ge=1, description="characters in one few-shot label")
     max_fit_samples: int = Field(20_000, ge=2, description="examples in one few-shot fit")
     max_fit_classes: int = Field(1_000, ge=2, description="distinct labels in one few-shot fit")
+    # The label loop (docs/serving.md, "Label loop"): select/suggest sample their candidates, so they answer in
+    # bounded time at any index size; a predict_index page is bounded like a search result.
+    select_candidates: int = Field(20_000, ge=1, description="items select/suggest consider: a seeded sample of "
+                                                              "the index beyond this")
+    max_select: int = Field(1_000, ge=1, description="largest n of a select or suggest request")
+    max_page: int = Field(10_000, ge=1, description="largest limit of a predict_index page")
     # Few-shot fits run in worker processes, so a long fit never holds the serving process's GIL.
     fit_workers: int = Field(1, ge=1, le=64, description="fit worker processes (fits running at once)")
     max_queued_fits: int = Field(4, ge=0, description="fits waiting for a worker before new ones get 503")

@@ -34,6 +34,7 @@ class FewShotClassifier:
     weights: np.ndarray  # (D, C): column j scores classes[j]
     classes: list[str]
     info: dict[str, Any] = field(default_factory=dict)
+    fit_ids: np.ndarray | None = None  # ids of the index items it was fitted on (info["index"] names the index)
 
     def top_k(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(class indices (n, k'), probabilities (n, k'))``, most probable first, ``k' = min(k, classes)``."""
@@ -49,7 +50,8 @@ class FewShotClassifier:
     def to_bytes(self) -> bytes:
         meta = json.dumps({"name": self.name, "classes": self.classes, "info": self.info}).encode()
         buf = io.BytesIO()
-        np.savez(buf, weights=self.weights.astype(np.float32), meta=np.frombuffer(meta, dtype=np.uint8))
+        extra = {} if self.fit_ids is None else {"fit_ids": np.asarray(self.fit_ids, dtype=np.int64)}
+        np.savez(buf, weights=self.weights.astype(np.float32), meta=np.frombuffer(meta, dtype=np.uint8), **extra)
         return buf.getvalue()
 
     @classmethod
@@ -57,10 +59,12 @@ class FewShotClassifier:
         with np.load(path, allow_pickle=False) as z:
             weights = np.asarray(z["weights"], dtype=np.float32)
             meta = json.loads(bytes(z["meta"]).decode())
+            fit_ids = np.asarray(z["fit_ids"], dtype=np.int64) if "fit_ids" in z.files else None
         classes = [str(c) for c in meta["classes"]]
         if weights.ndim != 2 or weights.shape[1] != len(classes) or not np.isfinite(weights).all():
             raise ValueError(f"weights {weights.shape} inconsistent with {len(classes)} classes")
-        return cls(name=str(meta["name"]), weights=weights, classes=classes, info=dict(meta.get("info", {})))
+        return cls(name=str(meta["name"]), weights=weights, classes=classes, info=dict(meta.get("info", {})),
+                   fit_ids=fit_ids)
 
 
 def check_fit_data(x: np.ndarray, labels: list[str], *, max_classes: int) -> None:

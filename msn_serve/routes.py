@@ -15,6 +15,7 @@ from .embed_response import JSON, NPY, RAW, embeddings_response, json_response, 
 from .errors import NAME_RE, check_name
 from .inputs import M, read_request
 from .jsonio import StrictJSONResponse
+from .label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
 from .publish import current_version
 from .schemas import (
     EmbedRequest,
@@ -92,6 +93,27 @@ async def fewshot_predict(name: Name, request: Request) -> Response:
     return _json_bytes(await svc.predict(name, req))
 
 
+@router.post("/fewshot/{name}/suggest", tags=["label loop"], openapi_extra=SuggestRequest.openapi_body())
+async def fewshot_suggest(name: Name, request: Request) -> StrictJSONResponse:
+    """The next ids to label for this classifier: uncertain ones, kept diverse; never the ids it was fitted on:
+    ``{"ids", "uncertainty", "available", ...}``."""
+    svc = _svc(request)
+    svc.classifiers.get(check_name(name, "classifier name"))  # 404 before reading the body
+    _, req = await _read(request, SuggestRequest)
+    return StrictJSONResponse(await svc.suggest(name, req))
+
+
+@router.post("/fewshot/{name}/predict_index", tags=["label loop"],
+             openapi_extra=PredictIndexRequest.openapi_body())
+async def fewshot_predict_index(name: Name, request: Request) -> Response:
+    """One page of predictions over an index's stored items, with class counts over the whole index:
+    ``{"total", "next_offset", "class_counts", "items": [{"id", "label", "probability", "margin", "top"}]}``."""
+    svc = _svc(request)
+    svc.classifiers.get(check_name(name, "classifier name"))  # 404 before reading the body
+    _, req = await _read(request, PredictIndexRequest)
+    return _json_bytes(await svc.predict_index(name, req))
+
+
 @router.get("/fewshot", tags=["few-shot"])
 async def fewshot_list(request: Request) -> dict[str, Any]:
     return {"classifiers": _svc(request).classifiers.describe()}
@@ -151,6 +173,15 @@ async def index_search(name: Name, request: Request) -> Response:
     svc.indexes.get(check_name(name, "index name"))  # 404 before reading the body
     _, req = await _read(request, SearchRequest)
     return _json_bytes(await svc.search_index(name, req))
+
+
+@router.post("/index/{name}/select", tags=["label loop"], openapi_extra=SelectRequest.openapi_body())
+async def index_select(name: Name, request: Request) -> StrictJSONResponse:
+    """What to label first: ``n`` diverse, representative stored ids (deterministic for a seed): ``{"ids", ...}``."""
+    svc = _svc(request)
+    svc.indexes.get(check_name(name, "index name"))  # 404 before reading the body
+    _, req = await _read(request, SelectRequest)
+    return StrictJSONResponse(await svc.select(name, req))
 
 
 @router.post("/index/{name}/delete", tags=["index"], openapi_extra=IndexDeleteRequest.openapi_body())

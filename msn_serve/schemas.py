@@ -22,6 +22,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from .config import Settings
@@ -244,25 +245,36 @@ class EmbedRequest(RequestModel):
 
 
 class FitRequest(RequestModel):
-    """``POST /fewshot/fit``: images or embeddings, one label each."""
+    """``POST /fewshot/fit``: images, embeddings, or ids of items stored in an index; one label each."""
 
-    TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"name"})
-    JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"labels", "embeddings", "mask"})
+    TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"name", "index"})
+    JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"labels", "embeddings", "mask", "ids"})
     name: str = Field(description=f"classifier name, matching {NAME_RE.pattern}")
     labels: Annotated[list[str], WithJsonSchema({"type": "array", "minItems": 1, "items": {"type": "string"}})] = \
-        Field(description="one label (string or integer) per image/embedding")
+        Field(description="one label (string or integer) per image/embedding/id")
     embeddings: matrix_of("max_fit_samples") = Field(None, description="precomputed embeddings instead of images")
+    index: str | None = Field(None, description="fit on the stored vectors of these ids of this index (with ids)")
+    ids: Annotated[Any, BeforeValidator(lambda v, info: None if v is None else ids(v, _settings(info).max_fit_samples)),
+                   WithJsonSchema(IDS_SCHEMA)] = Field(None, description="ids of the index's items, one per label")
     lambd: float | None = Field(None, gt=0, allow_inf_nan=False, description="L2 strength; cyanure lambda_1 = "
                                 "lambd / n (MSN protocol); default MSN_SERVE_DEFAULT_LAMBD (0.00025)")
     overwrite: bool = Field(False, description="replace an existing classifier")
     mask: Mask = None
 
-    @field_validator("name")
+    @field_validator("name", "index")
     @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME_RE.fullmatch(v):
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not NAME_RE.fullmatch(v):
             raise ValueError(f"must match {NAME_RE.pattern} (the whole name)")
         return v
+
+    @model_validator(mode="after")
+    def _source(self) -> FitRequest:
+        if (self.index is None) != (self.ids is None):
+            raise ValueError("index and ids go together: the ids of the items of that index to fit on")
+        if self.index is not None and (self.embeddings is not None or self.mask is not None):
+            raise ValueError("send either index + ids or embeddings (or images), not both")
+        return self
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -353,3 +365,4 @@ class IndexDeleteRequest(RequestModel):
     IMAGES: ClassVar[bool] = False
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"ids"})
     ids: Ids = Field(description="ids to remove")
+

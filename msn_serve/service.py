@@ -22,6 +22,7 @@ import numpy as np
 from msn_core.bundle import ONNX_FILE, BundleInfo, load_bundle_info
 from msn_core.masks import MaskError, resolve_masks
 
+from . import labelling
 from .batcher import Batcher
 from .config import Settings
 from .engine import Engine
@@ -29,6 +30,7 @@ from .errors import ApiError, check_name, conflict, read_only_replica, too_large
 from .fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
 from .fitpool import FitPool
 from .index_store import IndexStore
+from .label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
 from .metrics import Metrics
 from .preprocess import PixelBudget, preprocess_bytes
 from .publish import current_version, load_version, publish, state_signature
@@ -94,6 +96,7 @@ class Service:
         self.fits = FitPool(workers=settings.fit_workers, max_queued=settings.max_queued_fits,
                             timeout_s=settings.fit_timeout_s, threads=settings.fit_threads,
                             on_change=self.metrics.fits.set)
+        self.predictions = labelling.PredictionCache()
         self.warmed = False
         self.warmup_error: str | None = None
         self.started = time.time()
@@ -309,14 +312,23 @@ class Service:
         self.require_writer()
         s = self.settings
         self.classifiers.check_free(req.name, overwrite=req.overwrite)  # before the embedding and fitting work
-        if len(req.labels) != self._queries(req, req.embeddings):
+        if req.index is not None:  # the label loop: the stored vectors of ids of an index
+            if req.images:
+                raise unprocessable("send either index + ids or images, not both")
+            if len(req.labels) != len(req.ids):
+                raise unprocessable(f"{len(req.labels)} labels for {len(req.ids)} ids")
+            x = await self.run_work(labelling.fit_vectors, self.indexes, req.index, req.ids)
+        elif len(req.labels) != self._queries(req, req.embeddings):
             raise unprocessable(f"{len(req.labels)} labels for {self._queries(req, req.embeddings)} "
                                 "images/embeddings")
-        x = await self.vectors(req, req.embeddings, "embeddings", self.info.embed_dim)
+        else:
+            x = await self.vectors(req, req.embeddings, "embeddings", self.info.embed_dim)
         await self.run_work(lambda: check_fit_data(x, req.labels, max_classes=s.max_fit_classes))
         lambd = req.lambd if req.lambd is not None else s.default_lambd
         model = await self.fits.fit(x, req.labels, lambd=lambd)
         clf = from_fit(req.name, model, req.labels, dim=int(x.shape[1]), lambd=lambd, seconds=model.fit_seconds)
+        if req.index is not None:
+            clf.info["index"], clf.fit_ids = req.index, req.ids
         await self.run_work(lambda: self.classifiers.put(clf, overwrite=req.overwrite))
         return clf
 
@@ -329,6 +341,20 @@ class Service:
         top, prob = await self.run_work(clf.top_k, x, req.k)
         head = {"name": name, "model_id": self.info.model_id}
         return await self.run_work(predictions_body, head, clf.classes, top, prob, s.max_response_bytes)
+
+    # ---- the label loop (msn_serve.labelling) ------------------------------------------------------------------
+    async def select(self, name: str, req: SelectRequest) -> dict[str, Any]:
+        return await self.run_work(labelling.select, self.indexes, name, req, self.settings.select_candidates)
+
+    async def suggest(self, name: str, req: SuggestRequest) -> dict[str, Any]:
+        clf = self.classifiers.get(check_name(name, "classifier name"))
+        return await self.run_work(labelling.suggest, self.indexes, clf, req, self.settings.select_candidates)
+
+    async def predict_index(self, name: str, req: PredictIndexRequest) -> bytes:
+        clf, s = self.classifiers.get(check_name(name, "classifier name")), self.settings
+        return await self.run_work(lambda: labelling.predict_index(
+            self.indexes, clf, req, self.predictions, max_page=s.max_page, max_results=s.max_results_per_request,
+            max_bytes=s.max_response_bytes))
 
     async def add_to_index(self, name: str, req: IndexAddRequest) -> dict[str, Any]:
         """Add (or replace) vectors or embedded images under ids; a missing index is created with the defaults."""

@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from msn_core.masks import keep_from_bitmap
+from visualizer.labeling import build_label_tab
 from visualizer.masks import MODES, keep_bitmap, mask_spec
 from visualizer.pipeline import RCDMPipeline, load_image
 from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
@@ -145,54 +146,57 @@ class Session:
 
 
 def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
-              examples: list[Path] | None = None) -> gr.Blocks:
+              examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
     session = Session(primary, compare)
     cfg = primary.config.diffusion
     with gr.Blocks(title="MSN + RCDM: what the representation keeps", analytics_enabled=False) as demo:
-        gr.Markdown(
-            "## What does the MSN representation keep?\n"
-            f"An RCDM diffusion decoder (step {primary.step}) samples images from the frozen embedding of "
-            f"bundle `{primary.encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
-            "is what the representation encodes."
-        )
-        clicked = gr.State(None)
-        with gr.Row():
-            with gr.Column(scale=1):
-                image = CheckedImage(type="filepath", label="Image", sources=["upload"], elem_id="upload", height=240)
-                if examples:
-                    gr.Examples([[str(p)] for p in examples], inputs=[image], label="Examples", examples_per_page=12)
-            with gr.Column(scale=1):
-                grid_img = gr.Image(label="Patch grid: click patches to drop / keep them", interactive=False,
-                                    elem_id="patch-grid", height=GRID_PX, buttons=[])
-                mode = gr.Radio(list(MODES), value="random", label="Mask", elem_id="mask-mode")
-                ratio = gr.Slider(0.0, 0.95, value=0.5, step=0.05, label="Mask ratio (random)", elem_id="ratio")
-                mask_seed = gr.Number(0, precision=0, label="Mask seed", elem_id="mask-seed")
-                focal = gr.Slider(0.1, 1.0, value=0.5, step=0.05, label="Focal block side (fraction of the grid)")
-        with gr.Row():
-            num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples")
-            steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
-            guidance = gr.Slider(0.0, 5.0, value=cfg.guidance_scale, step=0.5, label="Guidance scale",
-                                 visible=primary.config.diffusion.cond_drop_prob > 0)
-            sample_seed = gr.Number(0, precision=0, label="Sample seed")
-        status = gr.Markdown(elem_id="status")
-        with gr.Tab("Samples"):
-            sample_btn = gr.Button("Sample", variant="primary", elem_id="sample-btn")
+        with gr.Tab("RCDM: what the representation keeps", elem_id="tab-rcdm"):
+            gr.Markdown(
+                "## What does the MSN representation keep?\n"
+                f"An RCDM diffusion decoder (step {primary.step}) samples images from the frozen embedding of "
+                f"bundle `{primary.encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
+                "is what the representation encodes."
+            )
+            clicked = gr.State(None)
             with gr.Row():
-                masked = gr.Image(label="Masked input", interactive=False, elem_id="masked", scale=1)
-                gallery = gr.Gallery(label="Samples", columns=4, elem_id="samples", scale=3)
-        with gr.Tab("Side by side"):
-            kinds = ["two ratios"] + (["two bundles"] if compare is not None else [])
-            kind = gr.Radio(kinds, value="two ratios", label="Compare")
+                with gr.Column(scale=1):
+                    image = CheckedImage(type="filepath", label="Image", sources=["upload"], elem_id="upload", height=240)
+                    if examples:
+                        gr.Examples([[str(p)] for p in examples], inputs=[image], label="Examples", examples_per_page=12)
+                with gr.Column(scale=1):
+                    grid_img = gr.Image(label="Patch grid: click patches to drop / keep them", interactive=False,
+                                        elem_id="patch-grid", height=GRID_PX, buttons=[])
+                    mode = gr.Radio(list(MODES), value="random", label="Mask", elem_id="mask-mode")
+                    ratio = gr.Slider(0.0, 0.95, value=0.5, step=0.05, label="Mask ratio (random)", elem_id="ratio")
+                    mask_seed = gr.Number(0, precision=0, label="Mask seed", elem_id="mask-seed")
+                    focal = gr.Slider(0.1, 1.0, value=0.5, step=0.05, label="Focal block side (fraction of the grid)")
             with gr.Row():
-                ratio_a = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Ratio A")
-                ratio_b = gr.Slider(0.0, 0.95, value=0.7, step=0.05, label="Ratio B (or the mask above for bundles)")
-            compare_btn = gr.Button("Compare", elem_id="compare-btn")
-            with gr.Row():
-                masked_a = gr.Image(label="A: masked", interactive=False, scale=1)
-                gallery_a = gr.Gallery(label="A: samples", columns=4, scale=3, elem_id="samples-a")
-            with gr.Row():
-                masked_b = gr.Image(label="B: masked", interactive=False, scale=1)
-                gallery_b = gr.Gallery(label="B: samples", columns=4, scale=3, elem_id="samples-b")
+                num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples")
+                steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
+                guidance = gr.Slider(0.0, 5.0, value=cfg.guidance_scale, step=0.5, label="Guidance scale",
+                                     visible=primary.config.diffusion.cond_drop_prob > 0)
+                sample_seed = gr.Number(0, precision=0, label="Sample seed")
+            status = gr.Markdown(elem_id="status")
+            with gr.Tab("Samples"):
+                sample_btn = gr.Button("Sample", variant="primary", elem_id="sample-btn")
+                with gr.Row():
+                    masked = gr.Image(label="Masked input", interactive=False, elem_id="masked", scale=1)
+                    gallery = gr.Gallery(label="Samples", columns=4, elem_id="samples", scale=3)
+            with gr.Tab("Side by side"):
+                kinds = ["two ratios"] + (["two bundles"] if compare is not None else [])
+                kind = gr.Radio(kinds, value="two ratios", label="Compare")
+                with gr.Row():
+                    ratio_a = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Ratio A")
+                    ratio_b = gr.Slider(0.0, 0.95, value=0.7, step=0.05, label="Ratio B (or the mask above for bundles)")
+                compare_btn = gr.Button("Compare", elem_id="compare-btn")
+                with gr.Row():
+                    masked_a = gr.Image(label="A: masked", interactive=False, scale=1)
+                    gallery_a = gr.Gallery(label="A: samples", columns=4, scale=3, elem_id="samples-a")
+                with gr.Row():
+                    masked_b = gr.Image(label="B: masked", interactive=False, scale=1)
+                    gallery_b = gr.Gallery(label="B: samples", columns=4, scale=3, elem_id="samples-b")
+        with gr.Tab("Labelling", elem_id="tab-labelling"):
+            build_label_tab(serve_url)
 
         def show_mask(path, mode_, ratio_, seed_, focal_, clicked_):
             if not path:
@@ -283,7 +287,8 @@ def _is_loopback(host: str) -> bool:
 
 def launch(bundle: str | Path, decoder: str | Path, *, compare: tuple[Path, Path] | None = None,
            host: str = "127.0.0.1", port: int = 7860, device: str = "cpu", concurrency: int = 2,
-           block: bool = True, auth: Callable[[str, str], bool] | None = None) -> gr.Blocks:
+           block: bool = True, auth: Callable[[str, str], bool] | None = None,
+           serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
     """Load the pipelines, write the examples, start the server (``block=False`` returns once it listens).
     ``auth`` (see :func:`password_check`) puts a login page in front of the app and its API."""
     if auth is None and not _is_loopback(host):
@@ -292,7 +297,7 @@ def launch(bundle: str | Path, decoder: str | Path, *, compare: tuple[Path, Path
     primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
     second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
     examples_dir = Path(tempfile.gettempdir()) / f"msn-visualize-examples-{os.getuid()}"  # reused across launches
-    demo = build_app(primary, second, examples=example_images(examples_dir))
+    demo = build_app(primary, second, examples=example_images(examples_dir), serve_url=serve_url)
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.launch(server_name=host, server_port=port, allowed_paths=[str(examples_dir)], auth=auth,
                 auth_message="msn-visualize: log in (user:password from --auth-file, or any user with the API key)",

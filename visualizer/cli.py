@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     app.add_argument("--api-key-file", type=Path, default=os.environ.get("MSN_VISUALIZE_API_KEY_FILE"),
                      help="require a login whose password is this key (msn-serve's key file works; any user "
                           "name; env MSN_VISUALIZE_API_KEY_FILE)")
+    app.add_argument("--serve-url", default=os.environ.get("MSN_VISUALIZE_SERVE_URL", "http://127.0.0.1:8000"),
+                     help="the msn-serve the labelling tab talks to by default (env MSN_VISUALIZE_SERVE_URL)")
     app.add_argument("--share", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -138,7 +140,8 @@ def _app(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"msn-visualize app: {exc}") from None
     launch(args.bundle, args.decoder, compare=(args.compare_bundle, args.compare_decoder) if args.compare_bundle
-           else None, host=args.host, port=args.port, device=args.device, concurrency=args.concurrency, auth=auth)
+           else None, host=args.host, port=args.port, device=args.device, concurrency=args.concurrency, auth=auth,
+           serve_url=args.serve_url)
     return 0
 
 
