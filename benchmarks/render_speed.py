@@ -39,8 +39,9 @@ def http_lines(report: dict) -> list[str]:
 def one_core_section(report: dict) -> list[str]:
     from render_docs import faiss_lines, int8_lines, machine_line
     m = report["machine"]
-    lines = [f"Machine: {machine_line(m)}, {m['cores_visible']} core used ({report.get('threads', 1)} ONNX Runtime "
-             f"/ FAISS thread). {_sentence(report.get('note', ''))}".rstrip(), ""]
+    cores, threads = m["cores_visible"], report.get("threads", 1)
+    lines = [f"Machine: {machine_line(m)}, {cores} core{'s' if cores > 1 else ''} used ({threads} ONNX Runtime "
+             f"/ FAISS thread{'s' if threads > 1 else ''}). {_sentence(report.get('note', ''))}".rstrip(), ""]
     if "int8" in report:
         lines += int8_lines(report["int8"])
     if "faiss_tuned" in report:
@@ -84,6 +85,14 @@ def profile_section(report: dict) -> list[str]:
 def sections(results: Path) -> list[str]:
     import json
     lines: list[str] = []
+    two = results / "serve_bench-2core.json"
+    if two.exists():
+        report = json.loads(two.read_text())
+        lines += ["## Serving speed on two idle cores (issue 15)", "",
+                  (f"`python benchmarks/serve_bench.py --bundle bundles/{Path(report['bundle']).name} "
+                   f"--only {' '.join(report['sections'])} --out benchmarks/results/serve_bench-2core.json`, "
+                   "with nothing else running."), ""]
+        lines += one_core_section(report)
     one = results / "serve_bench-1core.json"
     if one.exists():
         report = json.loads(one.read_text())
