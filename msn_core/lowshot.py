@@ -62,8 +62,12 @@ class LinearClassifier:
 
 
 def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEFAULT_LAMBD, max_iter: int = 300,
-                 tol: float = 1e-3, n_threads: int = -1, seed: int = 0) -> LinearClassifier:
+                 tol: float = 1e-3, n_threads: int = 1, seed: int = 0) -> LinearClassifier:
     """Fit the low-shot classifier on raw features (normalised here); ``labels`` may be ints or strings.
+
+    One thread by default: cyanure ships its own OpenMP runtime, and after a multi-threaded fit torch's OpenMP
+    regions in the same process crawl (a 3-step decoder training went from 0.7 s to over 5 minutes); low-shot
+    problems are small enough that threads gain little.
 
     Raises ``ValueError`` for unusable input (shape mismatch, NaN, fewer than two classes, ``lambd <= 0``) and when
     the fit diverges. Settings follow the official call: ``tol=1e-3``, 300 epochs, duality gap every 10, seed 0.

@@ -32,7 +32,7 @@ LAMBD_SWEEP: tuple[float, ...] = (2.5e-5, 0.00025, 0.0025, 0.025, 0.25)
 
 
 def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEFAULT_LAMBD,
-                 solver: str = "cyanure", max_iter: int = 300, tol: float = 1e-3, n_threads: int = -1,
+                 solver: str = "cyanure", max_iter: int = 300, tol: float = 1e-3, n_threads: int = 1,
                  seed: int = 0) -> LinearClassifier:
     """Fit the official low-shot classifier on raw features (preprocessed here); ``lambd`` is divided by n.
 
