@@ -25,6 +25,6 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_torch_runs_normally_after_a_lowshot_fit_in_the_same_process():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("done")
