@@ -81,7 +81,7 @@ def build_plan(work: Path, config: Path, budgets: list[float], seed: int) -> lis
     for minutes in budgets:
         name = budget_bundle(minutes)
         steps.append(pretrain_step(work, config, minutes, seed))
-        export = [sys.executable, "-m", "training.export", "--checkpoint", str(work / "runs" / name / "checkpoint.pt"),
+        export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(work / "runs" / name / "checkpoint.pt"),
                   "--out", str(work / "bundles" / name)]
         steps.append(Step(f"export {name}", export, [work / "bundles" / name / "msn.json"],
                           subprocess_action(export)))

@@ -101,9 +101,9 @@ def per_request_costs(bundle: Path, reps: int = 300) -> dict:
     from starlette.formparsers import MultiPartParser
 
     from msn_core.bundle import load_bundle_info
-    from msn_serve.embed_response import NPY, RAW, embeddings_response, json_response
-    from msn_serve.jsonio import StrictJSONResponse
-    from msn_serve.preprocess import preprocess_bytes
+    from msn_serve.http.embed_response import NPY, RAW, embeddings_response, json_response
+    from msn_serve.http.jsonio import StrictJSONResponse
+    from msn_serve.embedding.preprocess import preprocess_bytes
     info = load_bundle_info(bundle)
     image = test_images(1)[0]
     raw = http_load.embed_request("h", image)

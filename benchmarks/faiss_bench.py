@@ -9,7 +9,7 @@ Two corpora of N vectors (1,000,000 by default):
   (so copies of an image are near each other but never duplicates); queries are the embeddings of test-split images
   (real images the corpus never saw). D is the bundle's embedding width.
 
-For each kind the tuner (``msn_serve.index_tuning.evaluate``) trains on a corpus sample, tunes the knob on 1,000
+For each kind the tuner (``msn_serve.indexes.tuning.evaluate``) trains on a corpus sample, tunes the knob on 1,000
 held-out *tuning* queries, and the figures reported are measured on 1,000 different *evaluation* queries: recall@10
 against exact search and batched queries per second (all queries in one call, FAISS using every visible core),
 plus the serialized size of the structure (its memory, give or take the id map) and the build time. With a GPU
@@ -74,9 +74,9 @@ def bench_corpus(name: str, data: np.ndarray, q: np.ndarray, kinds: list[str], t
                  extra: dict | None = None) -> dict:
     import faiss
 
-    from msn_serve.index_config import IndexConfig, search_params
-    from msn_serve.index_gpu import gpu_count, supported, to_gpu
-    from msn_serve.index_tuning import evaluate, index_bytes, nlist_for, plans, qps, recall
+    from msn_serve.indexes.config import IndexConfig, search_params
+    from msn_serve.indexes.gpu import gpu_count, supported, to_gpu
+    from msn_serve.indexes.tuning import evaluate, index_bytes, nlist_for, plans, qps, recall
 
     faiss.normalize_L2(data)
     faiss.normalize_L2(q)

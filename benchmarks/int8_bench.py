@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO))
 
 def run(bundle: Path, *, threads: int, batch: int = 32, guard_images: int = 10_000, seconds: float = 20.0) -> dict:
     from msn_core.bundle import INT8_METHODS, load_bundle_info
-    from training.export import add_int8
-    from training.int8_guard import guard_data
-    from training.quantize import (
+    from training.bundle.export import add_int8
+    from training.bundle.int8_guard import guard_data
+    from training.bundle.quantize import (
         QuantizeOptions,
         calibration_feeds,
         data_source,

@@ -10,7 +10,7 @@ revealed only for ids a strategy picked. Budgets are reached in rounds of ``--ro
 ``select`` calls the service's cold-start selector each round (already-labelled ids excluded, as the endpoint's
 ``exclude_ids``), ``select+suggest`` uses the selector for the first round and the service's suggestions (from the
 classifier fitted so far) afterwards. Selection and suggestion run the service's own code
-(:mod:`msn_serve.labelloop`, on a seeded ``select_candidates`` sample of the pool, as the endpoints do); fits are
+(:mod:`msn_serve.classifiers.labelloop`, on a seeded ``select_candidates`` sample of the pool, as the endpoints do); fits are
 the service's low-shot classifier (:mod:`msn_core.lowshot`, default lambda). The same loop on raw pixels is the
 control. ``--parts selectors`` compares every cold-start selector; ``--parts latency`` times the four endpoints
 over HTTP against a real ``msn-serve`` holding a 100k-item index. Writes ``benchmarks/results/label_efficiency.json``, ``docs/label_efficiency.png`` and ``docs/results.md``.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.label_report import JSON_PATH, PLOT_PATH, plot, render_into_results
 from benchmarks.results_report import machine
 from msn_core.lowshot import DEFAULT_LAMBD, fit_logistic
-from msn_serve import labelloop
+from msn_serve.classifiers import labelloop
 from msn_serve.config import Settings
 
 STRATEGIES = ("random", "select", "select+suggest")

@@ -130,7 +130,7 @@ def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[
         cmd = [*torchrun_command(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(ROOT)),
                "--output-dir", str(out), "--resume", *set_args({**PROFILES[profile], **run.overrides})]
         steps.append(Step(f"pretrain {run.name}", cmd, [out / "done"], pretrain_action(cmd, out)))
-        export = [sys.executable, "-m", "training.export", "--checkpoint", str(out / "checkpoint.pt"),
+        export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(out / "checkpoint.pt"),
                   "--out", str(work / "bundles" / run.name)]
         steps.append(Step(f"export {run.name}", export, [work / "bundles" / run.name / "msn.json"],
                           subprocess_action(export)))
@@ -173,8 +173,8 @@ def export_random_init(reference: Path, out: Path, seed: int) -> None:
     import torch
 
     from msn_core.bundle import load_bundle_info
-    from training.export import export_bundle
-    from training.vit import VisionTransformer
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
 
     info = load_bundle_info(reference)
     torch.manual_seed(seed)

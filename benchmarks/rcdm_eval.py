@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def random_bundle(msn_bundle: Path, out: Path, seed: int) -> Path:
     """A bundle with the MSN bundle's architecture and preprocessing but random-init weights."""
     from msn_core.bundle import load_bundle_info
-    from training.export import export_bundle
-    from training.vit import VisionTransformer
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
 
     if (out / "msn.json").is_file():
         return out

@@ -192,7 +192,7 @@ def run_trial(trial: Trial, *, cpus: str | None, threads: int, data: str, keep: 
 
     start = time.monotonic()
     bundle = work / "bundle"
-    export = [sys.executable, "-m", "training.export", "--checkpoint", str(work / "checkpoint.pt"), "--out",
+    export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(work / "checkpoint.pt"), "--out",
               str(bundle)]
     subprocess.run(_command(export, cpus), check=True, env=env, cwd=ROOT, capture_output=True)
     evaluate = [sys.executable, "-m", "training.evaluation.cli"]

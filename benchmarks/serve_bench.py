@@ -72,8 +72,8 @@ def pct(values: list[float], q: float) -> float:
 def tiny_bundle(out: Path) -> Path:
     import torch
 
-    from training.export import export_bundle
-    from training.vit import VisionTransformer
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
     torch.manual_seed(0)
     enc = VisionTransformer(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4)
     export_bundle(enc, out, arch="vit_tiny", parity_check=False,
@@ -101,8 +101,8 @@ def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
     import torch
 
     from msn_core.bundle import FEATURES, load_bundle_info
-    from msn_serve.engine import Engine
-    from training.export import load_encoder
+    from msn_serve.embedding.engine import Engine
+    from training.bundle.export import load_encoder
     info = load_bundle_info(bundle)
     eng = Engine(info, intra_op_threads=threads)
     enc, _ = load_encoder(bundle)
@@ -182,8 +182,8 @@ def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: 
     from concurrent.futures import ThreadPoolExecutor
 
     from msn_core.bundle import load_bundle_info
-    from msn_serve.engine import Engine
-    from msn_serve.preprocess import preprocess_bytes
+    from msn_serve.embedding.engine import Engine
+    from msn_serve.embedding.preprocess import preprocess_bytes
     info = load_bundle_info(bundle)
     eng = Engine(info, intra_op_threads=threads)
     keep_all = np.arange(info.num_patches, dtype=np.int64)

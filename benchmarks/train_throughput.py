@@ -102,7 +102,7 @@ def step_flops(config: str | None, overrides: list[str]) -> tuple[float, int]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from training import distributed as dist
-    from training.build import build_run, build_schedules, train_step
+    from training.run.build import build_run, build_schedules, train_step
     from training.config import load_config
 
     cfg = load_config(REPO / config if config else None, COMMON + overrides)

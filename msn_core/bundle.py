@@ -111,7 +111,7 @@ class Preprocessing:
 
 @dataclass(frozen=True)
 class Architecture:
-    """The ViT trunk: ``name`` plus the constructor arguments of ``training.vit.VisionTransformer``."""
+    """The ViT trunk: ``name`` plus the constructor arguments of ``training.model.vit.VisionTransformer``."""
 
     name: str
     image_size: int

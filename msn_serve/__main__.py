@@ -1,4 +1,4 @@
 """``python -m msn_serve`` == ``msn-serve``."""
-from .cli import main
+from msn_serve.cli import main
 
 raise SystemExit(main())

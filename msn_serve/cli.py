@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from .config import Settings
+from msn_serve.config import Settings
 
 FLAGS: list[tuple[str, type, str]] = [
     ("bundle", str, "exported bundle directory (msn-export output)"),
@@ -81,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import uvicorn
 
-    from .app import create_app
-    from .http_server import uvicorn_options
+    from msn_serve.http.app import create_app
+    from msn_serve.http.server import uvicorn_options
 
     try:
         app = create_app(settings)

@@ -4,7 +4,7 @@ Layout under the data directory::
 
     published/CURRENT                                   the newest complete version's name (replaced atomically)
     published/<version>/manifest.json                   version, model_id, per-index ntotal/seq, classifier names
-    published/<version>/indexes/<name>/{config.json,index.faiss,state.npz}   (msn_serve.index_files)
+    published/<version>/indexes/<name>/{config.json,index.faiss,state.npz}   (msn_serve.indexes.files)
     published/<version>/classifiers/<name>.npz
 
 A version is staged in a hidden ``.…tmp`` directory, every file fsync'd, renamed into place, and only then named in
@@ -24,9 +24,9 @@ from typing import Any
 
 from msn_core.durable import atomic_write, fsync_path
 
-from .fewshot import ClassifierStore
-from .index_store import IndexStore
-from .storage import remove_durably
+from msn_serve.classifiers.fewshot import ClassifierStore
+from msn_serve.indexes.store import IndexStore
+from msn_serve.indexes.storage import remove_durably
 
 log = logging.getLogger("msn_serve.publish")
 PUBLISHED, CURRENT, MANIFEST = "published", "CURRENT", "manifest.json"

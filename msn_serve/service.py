@@ -1,6 +1,6 @@
 """The process-wide service object: bundle, engine, batcher, stores, metrics and readiness.
 
-Route modules stay thin: they read a request into its model (:mod:`msn_serve.schemas`, where types and the
+Route modules stay thin: they read a request into its model (:mod:`msn_serve.http.schemas`, where types and the
 request-size limits live) and call the methods here, which own the policies (where preprocessing runs, how masks
 map to tokens, what a fit or an add checks, when an index is created on the fly, how large a result may be, when the
 service counts as ready).
@@ -22,20 +22,20 @@ import numpy as np
 from msn_core.bundle import ONNX_FILE, BundleInfo, load_bundle_info
 from msn_core.masks import MaskError, resolve_masks
 
-from . import labelling
-from .batcher import Batcher
-from .config import Settings
-from .engine import Engine
-from .errors import ApiError, check_name, conflict, read_only_replica, too_large, unprocessable
-from .fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
-from .fitpool import FitPool
-from .index_store import IndexStore
-from .label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
-from .metrics import Metrics
-from .preprocess import PixelBudget, preprocess_bytes
-from .publish import current_version, load_version, publish, state_signature
-from .responses import check_results, predictions_body, search_body
-from .schemas import (
+from msn_serve.classifiers import labelling
+from msn_serve.embedding.batcher import Batcher
+from msn_serve.config import Settings
+from msn_serve.embedding.engine import Engine
+from msn_serve.errors import ApiError, check_name, conflict, read_only_replica, too_large, unprocessable
+from msn_serve.classifiers.fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
+from msn_serve.classifiers.fitpool import FitPool
+from msn_serve.indexes.store import IndexStore
+from msn_serve.http.label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
+from msn_serve.metrics import Metrics
+from msn_serve.embedding.preprocess import PixelBudget, preprocess_bytes
+from msn_serve.publish import current_version, load_version, publish, state_signature
+from msn_serve.http.responses import check_results, predictions_body, search_body
+from msn_serve.http.schemas import (
     EmbedRequest,
     FitRequest,
     IndexAddRequest,
@@ -44,7 +44,7 @@ from .schemas import (
     RequestModel,
     SearchRequest,
 )
-from .storage import clean_temp_files, lock_data_dir
+from msn_serve.indexes.storage import clean_temp_files, lock_data_dir
 
 log = logging.getLogger("msn_serve")
 
@@ -342,7 +342,7 @@ class Service:
         head = {"name": name, "model_id": self.info.model_id}
         return await self.run_work(predictions_body, head, clf.classes, top, prob, s.max_response_bytes)
 
-    # ---- the label loop (msn_serve.labelling) ------------------------------------------------------------------
+    # ---- the label loop (msn_serve.classifiers.labelling) ------------------------------------------------------------------
     async def select(self, name: str, req: SelectRequest) -> dict[str, Any]:
         return await self.run_work(labelling.select, self.indexes, name, req, self.settings.select_candidates)
 

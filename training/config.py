@@ -93,7 +93,7 @@ class OptimConfig:
     epochs: int = 800
     warmup_epochs: float = 15  # with total_steps or budget_minutes: the same fraction (warmup / epochs) of the run
     total_steps: int | None = None  # schedule length in optimiser steps, instead of epochs
-    budget_minutes: float | None = None  # schedule length from a wall-clock budget: see training/budget.py
+    budget_minutes: float | None = None  # schedule length from a wall-clock budget: see training/run/budget.py
     start_lr: float = 2e-4
     lr: float = 1e-3
     final_lr: float = 1e-6

@@ -7,7 +7,7 @@
 One process per device (CPU processes use gloo, GPUs NCCL); multi-node through torchrun's rendezvous flags.
 Per image and step: an unmasked target view goes through the EMA target encoder; a patch-dropped anchor view and
 `num_focal` small focal views go through the online encoder; the anchors' prototype assignments are trained to
-match the sharpened, Sinkhorn-balanced assignment of the target (training/losses.py). The run lasts
+match the sharpened, Sinkhorn-balanced assignment of the target (training/model/losses.py). The run lasts
 `optim.epochs`, `optim.total_steps` optimiser steps, or `optim.budget_minutes` of wall-clock time.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from training import distributed as dist
-from training.budget import plan_budget
-from training.build import (
+from training.run.budget import plan_budget
+from training.run.build import (
     Run,
     StepOutput,
     build_run,
@@ -35,9 +35,9 @@ from training.build import (
 )
 from training.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, copy_checkpoint, load_checkpoint
 from training.config import Config, ConfigError, dump_config, load_config
-from training.monitor import TrainingMonitor
-from training.state import Progress, TrainState, batches_from, restore_progress, save_progress
-from training.vit import encoder_kwargs
+from training.run.monitor import TrainingMonitor
+from training.run.state import Progress, TrainState, batches_from, restore_progress, save_progress
+from training.model.vit import encoder_kwargs
 
 log = logging.getLogger("msn.train")
 

@@ -53,7 +53,7 @@ class FrozenEncoder:
     """``embed(images_uint8, keep_idx=None, keep_mask=None) -> (B, D)`` float32 features on ``device``."""
 
     def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu"):
-        from training.export import load_encoder
+        from training.bundle.export import load_encoder
 
         self.bundle_dir = Path(bundle_dir)
         self.backend, self.device = backend, torch.device(device)

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from training import distributed as dist
 from training.data import build_dataset, build_loader
-from training.msn import ema_update
-from training.state import Progress, batches_from, restore_progress, save_progress
+from training.model.msn import ema_update
+from training.run.state import Progress, batches_from, restore_progress, save_progress
 from training.views import eval_transform
 from visualizer.config import RCDMConfig, dump_config
 from visualizer.decoder import RCDMDecoder

@@ -14,8 +14,8 @@ IMAGENET_PREPROCESSING = {"resize": 16, "crop": 16, "mean": [0.485, 0.456, 0.406
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init 2-block ViT (16 px, patch 4, 16 patches) exported as a bundle."""
-    from training.export import export_bundle
-    from training.vit import build_encoder
+    from training.bundle.export import export_bundle
+    from training.model.vit import build_encoder
 
     torch.manual_seed(0)
     encoder = build_encoder("vit_tiny", 4, 16, embed_dim=32, depth=2, num_heads=2)

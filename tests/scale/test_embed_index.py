@@ -31,8 +31,8 @@ N_FILES, CORRUPT = 40, 17  # image id 17 is a corrupt file
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
-    from training.export import export_bundle
-    from training.vit import VisionTransformer
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
 
     torch.manual_seed(0)
     encoder = VisionTransformer(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4)
@@ -59,13 +59,13 @@ def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _embed(bundle: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
     return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "training.embed", "--bundle", str(bundle), "--data", str(data), "--out", str(out),
+                 "-m", "training.bundle.embed", "--bundle", str(bundle), "--data", str(data), "--out", str(out),
                  "--shard-size", "8", "--batch-size", "4", "--workers", "0", "--threads", "1"])
 
 
 def _index(*args: str) -> subprocess.CompletedProcess:
     """``msn-index`` in a fresh interpreter that must never import torch."""
-    code = ("import sys; from msn_serve.index_build import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from msn_serve.indexes.build import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'msn-index imported torch'; sys.exit(rc)")
     return _run([sys.executable, "-c", code, *args])
 
@@ -243,8 +243,8 @@ def _synthetic_embeddings(root: Path, n: int = 12_000, dim: int = 32, shards: in
 def test_index_build_tunes_ivfpq_and_loads_mmapped(tmp_path: Path) -> None:
     import faiss
 
-    from msn_serve.index_build import main
-    from msn_serve.indexes import ManagedIndex
+    from msn_serve.indexes.build import main
+    from msn_serve.indexes.managed import ManagedIndex
 
     x = _synthetic_embeddings(tmp_path / "emb", dim=16)
     out = tmp_path / "data" / "indexes" / "pq"
@@ -271,7 +271,7 @@ def test_index_build_tunes_ivfpq_and_loads_mmapped(tmp_path: Path) -> None:
 
 
 def test_index_build_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from msn_serve.index_build import main
+    from msn_serve.indexes.build import main
 
     assert main(["build", "--embeddings", str(tmp_path), "--data-dir", str(tmp_path / "d"), "--name", "x"]) == 2
     assert "no manifest.json" in capsys.readouterr().err
@@ -286,9 +286,9 @@ def test_index_build_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_embed_file_list_in_one_process(bundle: Path, corpus: Path, tmp_path: Path) -> None:
-    """Plain ``python -m training.embed`` (no torchrun) over a file list: ids follow the lines, a missing file is
+    """Plain ``python -m training.bundle.embed`` (no torchrun) over a file list: ids follow the lines, a missing file is
     skipped and counted, and the vectors equal the 2-rank run's layout (same preprocessing and graph)."""
-    from training.embed import main
+    from training.bundle.embed import main
 
     lines = [str(corpus / "b" / "img_021.png"), str(tmp_path / "missing.png"), str(corpus / "a" / "img_003.png")]
     (tmp_path / "list.txt").write_text("# corpus\n" + "\n".join(lines) + "\n")
@@ -303,7 +303,7 @@ def test_embed_file_list_in_one_process(bundle: Path, corpus: Path, tmp_path: Pa
 
 
 def test_embed_rejects_bad_input(tmp_path: Path) -> None:
-    from training.embed import list_corpus, main
+    from training.bundle.embed import list_corpus, main
 
     with pytest.raises(SystemExit):
         main(["--bundle", str(tmp_path), "--data", str(tmp_path), "--out", str(tmp_path / "o")])

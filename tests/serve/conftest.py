@@ -1,6 +1,6 @@
 """Fixtures for the serving tests: a tiny bundle exported by the training code, and a running server.
 
-The bundle is built once per session with ``training.export.export_bundle`` (torch is fine in tests; the server
+The bundle is built once per session with ``training.bundle.export.export_bundle`` (torch is fine in tests; the server
 process itself never imports it). Servers are real ``python -m msn_serve`` subprocesses on free loopback ports.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from serve_helpers import PREPROCESSING, Server
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
-    from training.export import export_bundle
-    from training.vit import VisionTransformer
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
 
     torch.manual_seed(0)
     encoder = VisionTransformer(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4)

@@ -21,8 +21,8 @@ from faults import DiskFaults
 from serve_helpers import Server
 
 from msn_serve.errors import ApiError
-from msn_serve.fewshot import ClassifierStore, fit
-from msn_serve.index_store import IndexStore
+from msn_serve.classifiers.fewshot import ClassifierStore, fit
+from msn_serve.indexes.store import IndexStore
 
 DIM = 8
 RNG = np.random.default_rng(0)

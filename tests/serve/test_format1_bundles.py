@@ -16,14 +16,14 @@ import pytest
 
 from msn_core.bundle import load_bundle_info
 from msn_core.masks import pad_keep, resolve_mask
-from msn_serve.engine import Engine
+from msn_serve.embedding.engine import Engine
 
 
 @pytest.fixture(scope="module")
 def format1_bundle(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
-    from training.export import load_encoder
+    from training.bundle.export import load_encoder
 
     encoder, _ = load_encoder(bundle_dir)
 

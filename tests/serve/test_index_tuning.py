@@ -13,12 +13,12 @@ import faiss
 import numpy as np
 import pytest
 
-from msn_serve import index_gpu
+from msn_serve.indexes import gpu as index_gpu
 from msn_serve.errors import ApiError
-from msn_serve.index_config import IndexConfig, search_params
-from msn_serve.index_store import IndexStore
-from msn_serve.index_tuning import GB, plans, select
-from msn_serve.indexes import ManagedIndex
+from msn_serve.indexes.config import IndexConfig, search_params
+from msn_serve.indexes.store import IndexStore
+from msn_serve.indexes.tuning import GB, plans, select
+from msn_serve.indexes.managed import ManagedIndex
 
 
 def clustered(n: int, d: int = 32, seed: int = 0) -> np.ndarray:
@@ -145,7 +145,7 @@ def test_device_cuda_without_a_gpu_falls_back_to_cpu_with_a_warning(tmp_path: Pa
     if index_gpu.gpu_count():
         pytest.skip("a GPU is visible: the fallback cannot happen here")
     index_gpu._warned = False
-    with caplog.at_level(logging.WARNING, logger="msn_serve.index_gpu"):
+    with caplog.at_level(logging.WARNING, logger="msn_serve.indexes.gpu"):
         store = IndexStore(tmp_path, default_dim=8, model_id="m", device="cuda")
     assert store.device == "cpu" and "FAISS indexes stay on the CPU" in caplog.text
     idx = store.create("f", {})

@@ -9,8 +9,8 @@ import pytest
 
 from msn_core.bundle import load_bundle_info
 from msn_core.masks import resolve_mask
-from msn_serve.batcher import Batcher, QueueFull
-from msn_serve.engine import Engine
+from msn_serve.embedding.batcher import Batcher, QueueFull
+from msn_serve.embedding.engine import Engine
 from msn_serve.metrics import Metrics
 
 

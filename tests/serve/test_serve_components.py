@@ -11,10 +11,10 @@ from serve_helpers import PREPROCESSING, encode, random_image
 
 from msn_core.bundle import load_bundle_info
 from msn_serve.errors import ApiError
-from msn_serve.fewshot import ClassifierStore, fit
-from msn_serve.index_store import IndexStore
-from msn_serve.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
-from msn_serve.storage import WriteAheadLog
+from msn_serve.classifiers.fewshot import ClassifierStore, fit
+from msn_serve.indexes.store import IndexStore
+from msn_serve.embedding.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
+from msn_serve.indexes.storage import WriteAheadLog
 
 
 # ---- preprocessing -----------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ import msn_serve
 for m in pkgutil.iter_modules(msn_serve.__path__):
     if m.name != '__main__':
         importlib.import_module('msn_serve.' + m.name)
-from msn_serve.app import create_app
+from msn_serve.http.app import create_app
 from msn_serve.config import Settings
 app = create_app(Settings(bundle={str(bundle_dir)!r}, data_dir={str(tmp_path)!r}))
 print('ok', len(app.routes))
@@ -176,7 +176,7 @@ def test_fp16_variant_for_cuda_is_accurate_and_cuda_falls_back_to_cpu(bundle_dir
     needs onnxruntime-gpu and a GPU."""
     import onnxruntime as ort
 
-    from msn_serve.engine import Engine, _fp16_variant
+    from msn_serve.embedding.engine import Engine, _fp16_variant
 
     info = load_bundle_info(bundle_dir)
     path = _fp16_variant(bundle_dir / "model.onnx", tmp_path)

@@ -16,8 +16,8 @@ from serve_helpers import Server, encode, random_image
 
 from msn_core.bundle import load_bundle_info
 from msn_core.masks import resolve_mask
-from msn_serve.engine import Engine
-from msn_serve.preprocess import preprocess_bytes
+from msn_serve.embedding.engine import Engine
+from msn_serve.embedding.preprocess import preprocess_bytes
 
 
 @pytest.fixture(scope="module")

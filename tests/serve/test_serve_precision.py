@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from serve_helpers import Server, encode, random_image
 
-from training.export import add_int8
-from training.quantize import QuantizeOptions
+from training.bundle.export import add_int8
+from training.bundle.quantize import QuantizeOptions
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from training.budget import plan_budget, steps_for_budget
+from training.run.budget import plan_budget, steps_for_budget
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, load_config
 

@@ -62,7 +62,7 @@ def test_round_trip_through_dict():
 
 def test_small_image_recipe_follows_the_image_size():
     """The recipe moves to another image size by one key: patch grid, load size and eval preprocessing follow."""
-    from training.build import preprocessing
+    from training.run.build import preprocessing
 
     recipe = Path(CONFIGS[0]).parent / "fmnist_vit_tiny.yaml"
     for size, patch in ((28, 7), (32, 8), (64, 16)):

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from training import export, vit
-from training.convert import kwargs_to_hf_config, ours_to_hf, ours_to_official
-from training.heads import ProjectionHead
-from training.vit import VisionTransformer, build_encoder, encoder_kwargs
+from training.bundle import export
+from training.model import vit
+from training.bundle.convert import kwargs_to_hf_config, ours_to_hf, ours_to_official
+from training.model.heads import ProjectionHead
+from training.model.vit import VisionTransformer, build_encoder, encoder_kwargs
 
 IMAGE, PATCH, DIM = 32, 4, 64
 NUM_PATCHES = (IMAGE // PATCH) ** 2

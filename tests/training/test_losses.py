@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from training.distributed import all_reduce_mean, all_reduce_sum_, cleanup, init_distributed, is_distributed
-from training.losses import MSNLoss, sharpen, sinkhorn
+from training.model.losses import MSNLoss, sharpen, sinkhorn
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reference: the official src/losses.py formulas, written out literally (single process).

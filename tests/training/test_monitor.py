@@ -2,7 +2,7 @@ import json
 import logging
 import math
 
-from training.monitor import TrainingMonitor
+from training.run.monitor import TrainingMonitor
 
 
 def _monitor(tmp_path):

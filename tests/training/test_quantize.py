@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.training.test_export import NUM_PATCHES, PREPROCESSING, exported, random_inputs, tiny_encoder
-from training import export
-from training.quantize import QuantizeOptions
+from training.bundle import export
+from training.bundle.quantize import QuantizeOptions
 
 __all__ = ["exported"]  # the module fixture, shared with test_export
 SMALL = ["--calibration-data", "synthetic", "--calibration-images", "32", "--guard-images", "256"]

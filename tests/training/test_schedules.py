@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from training.schedules import Schedules
+from training.run.schedules import Schedules
 
 VITS = {  # official configs/pretrain/msn_vits16.yaml
     "warmup_epochs": 15,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.convert import (
+from training.bundle.convert import (
     KeyMismatchError,
     complete_preprocessing,
     hf_config_to_kwargs,
@@ -21,8 +21,8 @@ from training.convert import (
     resize_encoder,
     trunk_keys,
 )
-from training.heads import ProjectionHead, init_prototypes
-from training.vit import (
+from training.model.heads import ProjectionHead, init_prototypes
+from training.model.vit import (
     ARCHS,
     VisionTransformer,
     build_encoder,

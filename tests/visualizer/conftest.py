@@ -24,8 +24,8 @@ TINY_OVERRIDES = [
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from training.export import export_bundle
-    from training.vit import VisionTransformer
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
 
     torch.manual_seed(0)
     encoder = VisionTransformer(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4)

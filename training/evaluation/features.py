@@ -110,7 +110,7 @@ class TorchEmbedder:
     @classmethod
     def from_bundle(cls, bundle_dir: str | os.PathLike, *, feature: str | None = None,
                     device: str = "cpu") -> TorchEmbedder:
-        from training.export import load_encoder
+        from training.bundle.export import load_encoder
 
         encoder, info = load_encoder(bundle_dir)
         return cls(encoder, feature=feature or info.feature, device=device)

@@ -1,0 +1,200 @@
+"""FastAPI application factory: middleware (auth, body limit, metrics), JSON errors, health and metrics routes.
+
+Every non-2xx response is JSON with an ``error`` key — including 404s for unknown routes and FastAPI's validation
+errors (reshaped to ``{"error": ..., "detail": [...]}``) — because OIP clients cannot parse anything else.
+"""
+from __future__ import annotations
+
+import errno
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from msn_serve.http import oip
+from msn_serve.http import routes
+from msn_serve.config import Settings
+from msn_serve.errors import ApiError, storage_error
+from msn_serve.http.jsonio import StrictJSONResponse
+from msn_serve.metrics import MetricsMiddleware
+from msn_serve.service import Service
+
+log = logging.getLogger("msn_serve")
+OPEN_PATHS = {"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"}
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Message]:
+    raw = json.dumps(body).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return [{"type": "http.response.start", "status": status, "headers": hdrs},
+            {"type": "http.response.body", "body": raw}]
+
+
+class _BodyTooLarge(ApiError):
+    """Raised from ``receive`` while a body streams in: route code lets an ApiError through (a multipart parser
+    included), so a chunked body over the limit is a 413 however it is read."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes (max_body_mb)")
+
+
+class GuardMiddleware:
+    """Bearer auth (all but health endpoints) and a hard request-body cap, before any parsing happens.
+
+    The cap checks ``Content-Length`` up front and also counts streamed bytes, so chunked uploads cannot exceed it.
+    """
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                for m in _json(401, {"error": "missing or invalid API key (send 'Authorization: Bearer <key>')"},
+                               {"WWW-Authenticate": "Bearer"}):
+                    await send(m)
+                return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            for m in _json(413, {"error": f"request body of {int(length)} bytes exceeds the limit of "
+                                          f"{self.max_body} bytes (max_body_mb)"}):
+                await send(m)
+            return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge(self.max_body)
+            return msg
+
+        async def tracking_send(msg: Message) -> None:
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge as e:  # read outside a route (no handler on the way)
+            if not started:
+                for m in _json(413, e.body()):
+                    await send(m)
+
+
+def _document_model_names(app: FastAPI, model_id: str) -> None:
+    """The OIP ``{model}`` path parameter takes the bundle's model id or ``msn``: say so in the OpenAPI document."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for op in operations.values():
+                    for param in op.get("parameters", []):
+                        if param.get("name") == "model" and param.get("in") == "path":
+                            param["schema"] = {"type": "string", "enum": [model_id, "msn"]}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def create_app(settings: Settings) -> FastAPI:
+    service = Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        if service.quarantined:
+            log.error("quarantined at start-up (see %s/quarantine): %s", settings.data_dir, service.quarantined)
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="msn-serve", version=oip.package_version(), lifespan=lifespan,
+                  default_response_class=StrictJSONResponse,
+                  description="Masked Siamese Network embeddings, few-shot classifiers and FAISS search "
+                              "over an exported bundle. All errors are JSON: {\"error\": ..., \"detail\"?: ...}.")
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status, content=exc.body(), headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()]
+        named = "; ".join(f"{'.'.join(str(x) for x in d['loc'][1:]) or d['loc'][0]}: {d['msg']}" for d in detail[:3])
+        return JSONResponse(status_code=422, content={"error": named or "invalid request", "detail": detail})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content={"error": str(exc.detail)},
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(OSError)
+    async def _disk(request: Request, exc: OSError) -> JSONResponse:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return await _unhandled(request, exc)
+        err = storage_error(exc, f"{request.method} {request.url.path}")
+        return JSONResponse(status_code=err.status, content=err.body(), headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        service.metrics.errors.labels("internal").inc()
+        return JSONResponse(status_code=500, content={"error": f"internal server error: {type(exc).__name__}"})
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, Any]:
+        """Liveness: the process and event loop answer."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        """Readiness: warmed up and inference works (after failures, re-checked with a real forward pass)."""
+        ok, detail = await service.readiness()
+        return JSONResponse(status_code=200 if ok else 503, content={"ready": ok, **detail})
+
+    @app.get("/metrics", tags=["health"])
+    async def metrics() -> Response:
+        body, ctype = service.metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/info", tags=["health"])
+    async def info() -> dict[str, Any]:
+        """Model and bundle facts clients need (patch grid for masks, preprocessing)."""
+        i = service.info
+        return {"model_id": i.model_id, "dim": i.embed_dim, "patch_size": i.patch_size, "image_size": i.image_size,
+                "grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
+                "preprocessing": i.preprocessing.to_dict(), "device": service.engine.device,
+                "precision": service.engine.precision,
+                "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms,
+                "role": "reader" if service.read_only else "writer", "snapshot_version": service.snapshot_version}
+
+    app.include_router(routes.router)
+    app.include_router(oip.router)
+    _document_model_names(app, service.info.model_id)
+    # Added last = outermost: metrics also count the 401/413 answers the guard gives.
+    app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=service.metrics)
+    return app

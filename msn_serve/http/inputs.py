@@ -1,0 +1,105 @@
+"""One reader for the two request encodings every image endpoint accepts.
+
+``multipart/form-data``: files in ``image``/``images`` (``curl -F image=@x.jpg``), other parameters as text fields
+holding JSON (``-F mask='{"ratio": 0.5}'``). ``application/json``: the same names, images as base64 strings
+(optionally ``data:`` URIs). :func:`read_request` then validates the fields with the endpoint's request model
+(:mod:`msn_serve.http.schemas`), which answers a 422 naming the field when one is wrong.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+
+from msn_serve.config import Settings
+from msn_serve.errors import ApiError, too_large, unprocessable
+from msn_serve.http.jsonio import loads
+from msn_serve.http.schemas import RequestModel
+
+IMAGE_FIELDS = ("image", "images")
+M = TypeVar("M", bound=RequestModel)
+
+
+@dataclass
+class Payload:
+    """A request body before validation: decoded images and the other fields (multipart text or JSON values)."""
+
+    images: list[tuple[str, bytes]] = field(default_factory=list)
+    fields: dict[str, Any] = field(default_factory=dict)
+    multipart: bool = False
+
+
+def _b64(text: Any, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise unprocessable(f"{what}: expected a base64 string, got {type(text).__name__}")
+    if text.startswith("data:"):
+        head, _, text = text.partition(",")
+        if ";base64" not in head:
+            raise unprocessable(f"{what}: data URI must be base64-encoded")
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise unprocessable(f"{what}: invalid base64") from None
+
+
+async def read_payload(request: Request, *, max_images: int, max_body: int) -> Payload:
+    """Parse the request body (multipart or JSON) into images + fields; 4xx on anything malformed."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        try:
+            form = await request.form(max_files=max_images, max_fields=64, max_part_size=max_body)
+        except ApiError:  # 413 from the body-size guard while the parts stream in
+            raise
+        except Exception as e:  # noqa: BLE001 - starlette raises MultiPartException / HTTPException for malformed bodies
+            msg = getattr(e, "detail", None) or getattr(e, "message", None) or str(e)
+            if "Too many files" in str(msg):
+                raise ApiError(413, f"too many files: at most {max_images} images per request") from None
+            raise unprocessable(f"malformed multipart body: {msg}") from None
+        out = Payload(multipart=True)
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                if key not in IMAGE_FIELDS:
+                    raise unprocessable(f"unexpected file field {key!r}; send images as 'image' or 'images'")
+                out.images.append((f"{key}[{len(out.images)}] ({value.filename or 'upload'})", await value.read()))
+            elif key in IMAGE_FIELDS:
+                raise unprocessable(f"{key}: must be a file upload (curl -F {key}=@file.jpg), not a text field")
+            elif key in out.fields:
+                raise unprocessable(f"field {key!r} given more than once")
+            else:
+                out.fields[key] = value
+        await form.close()
+        return out
+    if ctype in ("application/json", ""):
+        body = await request.body()
+        if not body:
+            return Payload()
+        data = loads(body, "request body")
+        if not isinstance(data, dict):
+            raise unprocessable("JSON body must be an object")
+        out = Payload(fields={k: v for k, v in data.items() if k not in IMAGE_FIELDS})
+        if "image" in data:
+            out.images.append(("image", _b64(data["image"], "image")))
+        if "images" in data:
+            imgs = data["images"]
+            if not isinstance(imgs, list):
+                raise unprocessable("images: expected a list of base64 strings")
+            if len(imgs) > max_images:
+                raise too_large(f"too many images: at most {max_images} per request")
+            out.images += [(f"images[{i}]", _b64(s, f"images[{i}]")) for i, s in enumerate(imgs)]
+        return out
+    raise ApiError(415, f"unsupported content type {ctype!r}; use multipart/form-data or application/json")
+
+
+async def read_request(request: Request, model: type[M], settings: Settings) -> M:
+    """Read the body (multipart or JSON) and the model's query parameters into a validated ``model``."""
+    payload = await read_payload(request, max_images=settings.max_images_per_request,
+                                 max_body=settings.max_body_bytes)
+    fields = payload.fields
+    for key in model.QUERY:  # ?k=10 works like a body field; the body wins when both are given
+        if key in request.query_params and key not in fields:
+            fields[key] = request.query_params[key]
+    return model.from_fields(fields, settings, multipart=payload.multipart, images=payload.images)

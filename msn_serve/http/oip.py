@@ -1,0 +1,175 @@
+"""Open Inference Protocol (KServe v2 REST) with Triton's binary tensor extension, under ``/v2``.
+
+``tritonclient.http`` sends tensors as raw bytes after a JSON header by default (``Inference-Header-Content-Length``
+gives the JSON length; each binary input carries ``parameters.binary_data_size``), so the extension is not
+optional in practice. Inference goes through the same batcher as ``/embed``: every row of an OIP batch is an item,
+so OIP and native clients share batches. Inputs: ``pixel_values`` FP32 [B,C,H,W] (already normalised), optional
+``keep_idx`` INT64 [B,K] (``-1`` = padding, as in the bundle graph; a ``keep_mask`` BOOL [B,K] input is accepted
+too); or, instead of ``keep_idx``, a request parameter ``mask`` holding the same mask specification ``/embed``
+takes (:mod:`msn_core.masks`). Output ``embedding`` FP32 [B,D]. Errors: ``{"error": ...}``.
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from msn_core.bundle import BundleInfo
+from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
+
+from msn_serve.errors import ApiError, bad_request, not_found
+from msn_serve.http.jsonio import dumps, loads
+from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
+from msn_serve.http.schemas import inline_schema
+from msn_serve.service import Service
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol"])
+
+
+def package_version() -> str:
+    """The installed ``msn`` distribution's version (the server's and the OpenAPI document's)."""
+    try:
+        return version("msn")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0.0.0"
+
+
+def _svc(request: Request) -> Service:
+    return request.app.state.service
+
+
+def _model(request: Request, model: str) -> Service:
+    svc = _svc(request)
+    if model not in (svc.info.model_id, "msn"):
+        raise not_found(f"unknown model {model!r}; this server serves {svc.info.model_id!r} (alias 'msn')")
+    return svc
+
+
+@router.get("")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "msn-serve", "version": package_version(), "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live")
+async def live() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> Response:
+    ok, detail = await _svc(request).readiness()
+    if not ok:
+        raise ApiError(503, detail.get("error", "not ready: warming up"))
+    return Response(status_code=200)
+
+
+@router.get("/models/{model}/ready")
+@router.get("/models/{model}/versions/{ver}/ready")
+async def model_ready(model: str, request: Request, ver: str | None = None) -> Response:
+    svc = _model(request, model)
+    ok, detail = await svc.readiness()
+    if not ok:
+        raise ApiError(503, detail.get("error", "model not ready: warming up"))
+    return Response(status_code=200)
+
+
+@router.get("/models/{model}")
+@router.get("/models/{model}/versions/{ver}")
+async def model_metadata(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
+    svc = _model(request, model)
+    i = svc.info
+    inputs = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, i.in_chans, i.image_size, i.image_size]},
+              {"name": "keep_idx", "datatype": "INT64", "shape": [-1, -1], "optional": True},  # -1 = padding
+              {"name": "keep_mask", "datatype": "BOOL", "shape": [-1, -1], "optional": True}]
+    return {"name": i.model_id, "versions": ["1"], "platform": "onnxruntime_onnx", "inputs": inputs,
+            "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, i.embed_dim]}],
+            "parameters": {"patch_grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
+                           "preprocessing": i.preprocessing.to_dict(),
+                           "mask": "request parameter: a mask specification as /embed takes, instead of keep_idx"}}
+
+
+@router.get("/models/{model}/config")
+@router.get("/models/{model}/versions/{ver}/config")
+async def model_config(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
+    """Triton's model-configuration extension (read by perf_analyzer): dims exclude the batch dimension."""
+    svc = _model(request, model)
+    i, s = svc.info, svc.settings
+    return {"name": i.model_id, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+            "max_batch_size": s.max_images_per_request,
+            "input": [{"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [i.in_chans, i.image_size,
+                                                                                 i.image_size]},
+                      {"name": "keep_idx", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
+                      {"name": "keep_mask", "data_type": "TYPE_BOOL", "dims": [-1], "optional": True}],
+            "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [i.embed_dim]}],
+            "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
+                                 "preferred_batch_size": [s.max_batch_size]},
+            "instance_group": [{"count": 1, "kind": "KIND_GPU" if svc.engine.device == "cuda" else "KIND_CPU"}]}
+
+
+def _keep_rows(t: dict[str, np.ndarray], batch: int) -> list[np.ndarray]:
+    """``keep_idx`` rows without their padding (``-1`` entries, or ``keep_mask`` False)."""
+    ki, km = t["keep_idx"], t.get("keep_mask")
+    if ki.dtype.kind not in "iu" or ki.ndim != 2 or ki.shape[0] != batch or ki.shape[1] < 1:
+        raise bad_request(f"keep_idx must be an integer tensor [B={batch}, K>=1], got {ki.dtype} {list(ki.shape)}")
+    if km is not None and (km.dtype != np.bool_ or km.shape != ki.shape):
+        raise bad_request(f"keep_mask must be BOOL with the shape of keep_idx {list(ki.shape)}")
+    kept = ki != PAD if km is None else km & (ki != PAD)
+    return [ki[r][kept[r]] for r in range(batch)]
+
+
+def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Input tensors, and the request's ``mask`` parameter, -> ``(pixels (C,H,W), keep_idx (K,))`` per row."""
+    unknown = sorted(set(t) - {"pixel_values", "keep_idx", "keep_mask"})
+    if unknown:
+        raise bad_request(f"unknown input(s) {unknown}; expected pixel_values [, keep_idx, keep_mask]")
+    if "pixel_values" not in t:
+        raise bad_request("missing input 'pixel_values'")
+    px = t["pixel_values"]
+    want = (info.in_chans, info.image_size, info.image_size)
+    if px.ndim != 4 or px.shape[1:] != want:
+        raise bad_request(f"pixel_values must have shape [B, {want[0]}, {want[1]}, {want[2]}], got {list(px.shape)}")
+    px = px.astype(np.float32)
+    if not np.isfinite(px).all():
+        raise bad_request("pixel_values contain NaN or infinity")
+    if "keep_mask" in t and "keep_idx" not in t:
+        raise bad_request("keep_mask needs keep_idx")
+    if mask is not None and "keep_idx" in t:
+        raise bad_request("give either the keep_idx input or the mask parameter, not both")
+    try:
+        if "keep_idx" in t:
+            rows = _keep_rows(t, px.shape[0])
+            keeps = [check_keep(row, info.num_patches, f"keep_idx row {r}") for r, row in enumerate(rows)]
+        else:
+            spec = loads(mask, "parameters.mask", status=400) if isinstance(mask, str) else mask
+            keeps = resolve_masks(spec, px.shape[0], info.grid)
+    except MaskError as e:
+        raise bad_request(str(e)) from None
+    return list(zip(px, keeps, strict=True))
+
+
+@router.post("/models/{model}/infer", openapi_extra={"requestBody": {"content": {"application/json": {
+    "schema": inline_schema(InferRequest)}}}})
+@router.post("/models/{model}/versions/{ver}/infer")
+async def infer(model: str, request: Request, ver: str | None = None) -> Response:
+    svc = _model(request, model)
+    limit = svc.settings.max_body_bytes
+    body = decompress(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
+    head, binary = split_body(body, request.headers.get(HEADER))
+    req = parse_request(head)
+    items = oip_items(svc.info, tensors(req, binary, limit), req.parameters.mask)
+    if any(o.name != "embedding" for o in req.outputs or []):
+        raise bad_request("the only output is 'embedding'")
+    emb = await svc.embed_items(items)
+    out: dict[str, Any] = {"name": "embedding", "datatype": "FP32", "shape": list(emb.shape)}
+    resp: dict[str, Any] = {"model_name": svc.info.model_id, "model_version": "1", "outputs": [out]}
+    if req.id is not None:
+        resp["id"] = req.id
+    if not req.binary_output:
+        out["data"] = emb.reshape(-1).tolist()
+        return Response(dumps(resp), media_type="application/json")
+    raw = emb.astype("<f4").tobytes()
+    out["parameters"] = {"binary_data_size": len(raw)}
+    header = dumps(resp).encode()
+    return Response(header + raw, media_type="application/octet-stream", headers={HEADER: str(len(header))})

@@ -1,0 +1,306 @@
+"""``msn-index build``: turn ``msn-embed`` shards into an index that ``msn-serve`` loads (no torch here).
+
+The index is chosen by :mod:`msn_serve.indexes.tuning`, the tuner msn-serve's auto indexes use: exact ``flat`` while
+the corpus is below ``--exact-below`` (1e5) vectors and fits the memory budget; above, every candidate of
+``--candidates`` that fits (IVF-Flat; fast-scan IVF-PQ re-ranked exactly, unless ``--deletes``; HNSW if asked for)
+is built, its search knob tuned on held-out queries (corpus vectors not used to train the quantizer) to
+``--target-recall`` recall@k against exact search, and timed; the most queries per second at the target wins.
+Plain IVF-PQ with the largest code that fits is the fallback when raw vectors exceed the budget. Every candidate's
+figures, the chosen parameters and query times are printed and stored in ``build_info.json`` next to the index.
+
+The output is the :mod:`msn_serve.indexes.files` form (``config.json`` + ``index.faiss`` + ``state.npz``) in
+``<data-dir>/indexes/<name>/``, written in a hidden staging directory and renamed into place.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from msn_core.durable import fsync_path
+
+from msn_serve.errors import NAME_RE
+from msn_serve.indexes.config import IndexConfig, search_params
+from msn_serve.indexes.files import write_index_dir
+from msn_serve.indexes.tuning import GB, Plan, choose, plans, select
+from msn_serve.indexes.storage import lock_data_dir, remove_durably
+
+
+class BuildError(Exception):
+    """Unusable input or options; reported as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------------ reading shards
+
+
+@dataclass
+class Corpus:
+    root: Path
+    manifest: dict[str, Any]
+    shards: list[dict[str, Any]]
+    n: int
+    dim: int
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, float32 vectors)`` per shard, memory-mapped from the ``.npy`` files."""
+        for s in self.shards:
+            vecs = np.load(self.root / s["embeddings"], mmap_mode="r")
+            ids = np.load(self.root / s["ids"])
+            yield ids, vecs
+
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        """Vectors at sorted global positions (shard order), gathered without loading everything."""
+        out, start = [], 0
+        for _, vecs in self.chunks():
+            sel = positions[(positions >= start) & (positions < start + len(vecs))] - start
+            if sel.size:
+                out.append(np.asarray(vecs[sel], dtype=np.float32))
+            start += len(vecs)
+        return np.concatenate(out) if out else np.zeros((0, self.dim), np.float32)
+
+
+def load_corpus(root: Path) -> Corpus:
+    path = root / "manifest.json"
+    if not path.is_file():
+        raise BuildError(f"{root}: no manifest.json (run msn-embed to completion first)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != "msn-embeddings":
+        raise BuildError(f"{path}: not an msn-embed manifest")
+    dim, shards, seen = int(manifest["dim"]), [s for s in manifest["shards"] if s["count"] > 0], []
+    for s in shards:
+        vecs = np.load(root / s["embeddings"], mmap_mode="r")
+        ids = np.load(root / s["ids"])
+        if vecs.ndim != 2 or vecs.shape != (s["count"], dim) or ids.shape != (s["count"],):
+            raise BuildError(f"{root / s['embeddings']}: shape {vecs.shape} / ids {ids.shape}, manifest says "
+                             f"({s['count']}, {dim})")
+        if not np.isfinite(vecs).all():
+            raise BuildError(f"{root / s['embeddings']}: contains NaN or infinity")
+        seen.append(ids)
+    all_ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+    if all_ids.size == 0:
+        raise BuildError(f"{root}: no embeddings to index")
+    if all_ids.min() < 0 or np.unique(all_ids).size != all_ids.size:
+        raise BuildError(f"{root}: ids must be unique and non-negative")
+    return Corpus(root, manifest, shards, int(all_ids.size), dim)
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def prepare(x: np.ndarray, normalize: bool) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if normalize:
+        x = x.copy()
+        if (np.linalg.norm(x, axis=1) == 0).any():
+            raise BuildError("an embedding is all zeros and cannot be normalised (use --metric l2)")
+        faiss.normalize_L2(x)
+    return x
+
+
+def exact_neighbours(corpus: Corpus, q: np.ndarray, k: int, metric: str, normalize: bool) -> np.ndarray:
+    """Exact top-k ids by streaming every shard through brute force (memory: one shard at a time)."""
+    heap = faiss.ResultHeap(len(q), k, keep_max=metric == "ip")
+    fmetric = faiss.METRIC_INNER_PRODUCT if metric == "ip" else faiss.METRIC_L2
+    for ids, vecs in corpus.chunks():
+        kk = min(k, len(vecs))
+        dist, pos = faiss.knn(q, prepare(vecs, normalize), kk, metric=fmetric)
+        heap.add_result(dist, ids[pos])
+    heap.finalize()
+    return heap.I
+
+
+def timing(index: faiss.Index, cfg: IndexConfig, q: np.ndarray, k: int) -> dict[str, float]:
+    """Batched ms/query over all queries, and single-query p50/p99 over up to 200 of them."""
+    params = search_params(cfg, k)
+    t0 = time.perf_counter()
+    index.search(q, k, params=params)
+    batch = (time.perf_counter() - t0) * 1e3 / len(q)
+    single = []
+    for row in q[:200]:
+        t0 = time.perf_counter()
+        index.search(row[None], k, params=params)
+        single.append((time.perf_counter() - t0) * 1e3)
+    return {"batch_ms_per_query": round(batch, 4), "single_ms_p50": round(float(np.percentile(single, 50)), 4),
+            "single_ms_p99": round(float(np.percentile(single, 99)), 4)}
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def _target(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """(index directory, data directory or None) from ``--out`` or ``--data-dir`` + ``--name``."""
+    if (args.out is None) == (args.data_dir is None):
+        raise BuildError("give either --out DATA_DIR/indexes/NAME or --data-dir DATA_DIR --name NAME")
+    if args.out is not None:
+        out = args.out
+        data_dir = out.parent.parent if out.parent.name == "indexes" else None
+        if data_dir is None:
+            print(f"msn-index: note: msn-serve loads indexes from DATA_DIR/indexes/NAME; {out} is not such a path",
+                  file=sys.stderr)
+    else:
+        if not args.name or not NAME_RE.fullmatch(args.name):
+            raise BuildError(f"--data-dir needs --name matching {NAME_RE.pattern} (msn-serve's rule), got {args.name!r}")
+        out, data_dir = args.data_dir / "indexes" / args.name, args.data_dir
+    if not NAME_RE.fullmatch(out.name):
+        raise BuildError(f"index name {out.name!r} must match {NAME_RE.pattern} (msn-serve's rule)")
+    return out, data_dir
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    out, data_dir = _target(args)
+    if out.exists() and not args.overwrite:
+        raise BuildError(f"{out} exists; pass --overwrite to replace it")
+    lock = None
+    if data_dir is not None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        try:  # the writer holds this lock: it would neither see the new index nor expect its files to change
+            lock = lock_data_dir(data_dir)
+        except OSError as e:
+            raise BuildError(f"{e}: stop the writer first, then start it again to load the index") from None
+    try:
+        return _build_index(args, out)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _candidates(args: argparse.Namespace, n: int, d: int) -> list[Plan]:
+    budget = args.memory_budget_gb * GB
+    try:
+        if args.index_type == "auto":
+            return plans(n, d, budget, exact_below=args.exact_below, deletes=args.deletes, kinds=args.candidates,
+                         hnsw_m=args.hnsw_m)
+        return [choose(n, d, budget, exact_below=args.exact_below, kind=args.index_type, hnsw_m=args.hnsw_m)]
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+
+
+def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    if args.threads:
+        faiss.omp_set_num_threads(args.threads)
+    corpus = load_corpus(args.embeddings)
+    n, d, k = corpus.n, corpus.dim, args.k
+    normalize = args.metric == "ip"
+    candidates = _candidates(args, n, d)
+    if any(p.type == "ivfpq" for p in candidates) and n < 256:
+        raise BuildError(f"ivfpq needs at least 256 vectors to train its codebooks, the corpus has {n}")
+    base = IndexConfig(dim=d, metric=args.metric, normalize=normalize, ef_construction=args.ef_construction,
+                       model_id=str(corpus.manifest.get("model_id") or ""), target_recall=args.target_recall)
+    rng = np.random.default_rng(args.seed)
+    perm = rng.permutation(n)
+    nq = min(args.queries, n)
+    queries = prepare(corpus.rows(np.sort(perm[:nq])), normalize)
+    info: dict[str, Any] = {"n": n, "dim": d, "metric": args.metric, "queries": nq, "k": k,
+                            "target_recall": args.target_recall, "memory_budget_gb": args.memory_budget_gb,
+                            "faiss": faiss.__version__, "threads": faiss.omp_get_max_threads()}
+    nlist = max(p.nlist for p in candidates)
+    need = max(39 * nlist, 39 * 256 if any(p.type == "ivfpq" for p in candidates) else 0)
+    held_out = n - nq >= max(nlist, 256 if any(p.type == "ivfpq" for p in candidates) else 1)
+    pool = perm[nq:] if held_out else perm  # else too few vectors to train on without the queries
+    # ~64 points per list (autofaiss uses ~100), the transient sample capped at max(budget / 4, 1 GB)
+    ntrain = min(len(pool), max(need, 64 * nlist), int(max(args.memory_budget_gb * GB / 4, GB) // (4 * d)))
+    train = prepare(corpus.rows(np.sort(pool[:ntrain])), normalize) if nlist else np.zeros((0, d), np.float32)
+    info.update(train_vectors=len(train), queries_held_out=held_out)
+    truth = exact_neighbours(corpus, queries, min(k, n), args.metric, normalize)
+    ids = np.concatenate([shard_ids for shard_ids, _ in corpus.chunks()])
+
+    def fill(index: faiss.Index) -> None:
+        for shard_ids, vecs in corpus.chunks():
+            for lo in range(0, len(vecs), 65536):
+                index.add_with_ids(prepare(vecs[lo:lo + 65536], normalize), shard_ids[lo:lo + 65536])
+
+    best, reports = select(candidates, base, train, fill, queries, truth, args.target_recall)
+    index, cfg, rec = best.index, replace(best.config, tuned_at=n), best.recall
+    chosen = reports[0]
+    info.update(plan=chosen["plan"], candidates=reports, tuning=chosen["tuning"], recall_at_k=round(rec, 4),
+                search_param=cfg.ef_search if cfg.type == "hnsw" else cfg.nprobe if cfg.type != "flat" else 0,
+                build_s=chosen["build_s"], **timing(index, cfg, queries, truth.shape[1]))
+    if rec < args.target_recall:
+        print(f"msn-index: warning: recall@{k} {rec:.3f} < target {args.target_recall} even at the largest "
+              f"setting; consider a larger budget or --index-type ivf/flat", file=sys.stderr)
+    if not cfg.can_delete:
+        print(f"msn-index: note: a {cfg.type}{' (re-ranked)' if cfg.k_factor else ''} index cannot delete vectors "
+              "(pass --deletes to choose among kinds that can)", file=sys.stderr)
+    metadata: dict[int, Any] = {}
+    if args.store_paths:
+        for s in corpus.shards:
+            for line in (corpus.root / s["paths"]).read_text().splitlines():
+                row = json.loads(line)
+                metadata[int(row["id"])] = {key: row[key] for key in ("path", "label") if row.get(key) is not None}
+    info.update(config=asdict(cfg), total_s=round(time.perf_counter() - t_start, 3))
+    staging = out.parent / f".{out.name}.{time.time_ns()}.tmp"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_index_dir(staging, asdict(cfg), index, ids, metadata, 0,
+                        extra={"build_info.json": json.dumps(info, indent=1).encode()})
+        if out.exists():
+            remove_durably(out)
+        os.rename(staging, out)
+        fsync_path(out.parent)
+    except BaseException:
+        if staging.exists():
+            remove_durably(staging)
+        raise
+    info["index_file_bytes"] = (out / "index.faiss").stat().st_size
+    info["out"] = str(out)
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="msn-index", description="Build FAISS indexes for msn-serve from msn-embed "
+                                "output (parameters chosen for a memory budget and a target recall).")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="train, fill and write an index")
+    b.add_argument("--embeddings", type=Path, required=True, help="msn-embed output directory (manifest.json)")
+    b.add_argument("--out", type=Path, help="DATA_DIR/indexes/NAME")
+    b.add_argument("--data-dir", type=Path, help="msn-serve data directory (with --name)")
+    b.add_argument("--name", help="index name (with --data-dir)")
+    b.add_argument("--memory-budget-gb", type=float, default=16.0, help="RAM the index may use (default 16)")
+    b.add_argument("--target-recall", type=float, default=0.95, help="recall@k to reach vs exact search")
+    b.add_argument("--k", type=int, default=10, help="k for the recall measurement")
+    b.add_argument("--metric", choices=["ip", "l2"], default="ip", help="ip = cosine on normalised vectors")
+    b.add_argument("--index-type", choices=["auto", "flat", "ivf", "ivfpq", "ivfpq-rerank", "hnsw"], default="auto",
+                   help="auto: tune every candidate kind, keep the most queries/s at the target recall")
+    b.add_argument("--candidates", nargs="+", choices=["ivf", "ivfpq", "hnsw"], default=["ivf", "ivfpq"],
+                   help="kinds auto tries above --exact-below (ivfpq = re-ranked fast-scan IVF-PQ; hnsw builds "
+                        "slowly and is not memory-mapped)")
+    b.add_argument("--deletes", action="store_true", help="auto: only kinds that can delete vectors (flat, ivf)")
+    b.add_argument("--exact-below", type=int, default=100_000, help="flat below this many vectors (auto)")
+    b.add_argument("--queries", type=int, default=1000, help="held-out queries for tuning and timing")
+    b.add_argument("--hnsw-m", type=int, default=32)
+    b.add_argument("--ef-construction", type=int, default=80)
+    b.add_argument("--store-paths", action="store_true", help="keep each image's path/label as search metadata "
+                   "(Python objects in msn-serve: ~0.2-0.5 KB per vector)")
+    b.add_argument("--threads", type=int, default=0, help="FAISS OpenMP threads (0 = all cores)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
+    args = p.parse_args(argv)
+    if not 0 < args.target_recall <= 1 or args.memory_budget_gb <= 0 or args.k < 1 or args.queries < 1:
+        p.error("--target-recall must be in (0, 1], --memory-budget-gb > 0, --k and --queries >= 1")
+    try:
+        info = build(args)
+    except BuildError as e:
+        print(f"msn-index: error: {e}", file=sys.stderr)
+        return 2
+    plan = info["plan"]
+    print(f"msn-index: {info['n']} x {info['dim']} -> {plan['type']} (nlist={plan['nlist']}, pq_m={plan['pq_m']}; "
+          f"{plan['reason']}; {len(info['candidates'])} candidate(s) tuned), search param {info['search_param']}, "
+          f"recall@{args.k} {info['recall_at_k']}, "
+          f"{info['batch_ms_per_query']} ms/query batched, {info['single_ms_p50']} ms single (p50), "
+          f"{info['index_file_bytes'] / 1e6:.1f} MB on disk -> {info['out']}", file=sys.stderr)
+    print(json.dumps(info))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,414 @@
+"""Named FAISS indexes with external int64 ids, JSON metadata, and WAL + snapshot persistence.
+
+Layout per index: ``indexes/<name>/config.json`` (fixed at create; an auto index rewrites it when it changes
+kind), ``snapshot.npz`` (serialised FAISS index + metadata + last applied WAL sequence + config, replaced
+atomically) and ``wal.log`` (add/remove records, fsync'd before a request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
+``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
+snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
+Adding an id that is already there replaces its vector and metadata (so a retried add never duplicates an id); on
+``hnsw`` only a re-add that changes nothing is accepted. A write that fails on disk changes nothing (see
+:class:`~msn_serve.indexes.storage.WriteAheadLog`): the client gets a 507/503 and may retry.
+``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it can neither delete nor replace) comes from ``msn-index build``,
+which writes the mmap-able form of :mod:`msn_serve.indexes.files` instead of ``snapshot.npz``; the writer loads either,
+and read-only replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune
+themselves as they grow (:mod:`msn_serve.indexes.auto`); with ``--device cuda``, kinds FAISS supports on GPUs also get
+a GPU copy that answers searches (:mod:`msn_serve.indexes.gpu`).
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from msn_core.durable import atomic_write, fsync_path
+
+from msn_serve.indexes import auto as index_auto
+from msn_serve.indexes import gpu as index_gpu
+from msn_serve.errors import conflict, not_found, read_only_replica, too_large, unprocessable
+from msn_serve.indexes.config import IndexConfig, build_index, search_params
+from msn_serve.indexes.files import (
+    INDEX_FILE,
+    IVF_TYPES,
+    STATE_FILE,
+    decode_record,
+    encode_record,
+    read_index_dir,
+    write_index_dir,
+)
+from msn_serve.indexes.metadata import Metadata, Texts, to_texts
+from msn_serve.indexes.storage import WriteAheadLog, persisting, quarantine, remove_durably
+
+log = logging.getLogger("msn_serve.indexes")
+MAX_ID = 2**63 - 1
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+class ManagedIndex:
+    """One index: all mutations and searches hold ``lock`` (FAISS mutations are not thread-safe)."""
+
+    compact_bytes = 64 * 2**20  # the store sets both from the settings
+    metadata_limit: int | None = None
+
+    def __init__(self, path: Path, cfg: IndexConfig, index: faiss.Index, metadata: Metadata | dict[int, Any],
+                 seq: int, ids: set[int], *, read_only: bool = False, device: str = "cpu"):
+        self.path, self.cfg, self.index, self.seq = path, cfg, index, seq
+        self.metadata = Metadata.coerce(metadata)
+        self.lock = threading.RLock()
+        self.ids = ids
+        self.closed = False
+        self.wal = None if read_only else WriteAheadLog(path / "wal.log")
+        self.created = time.time()
+        self.device = device  # where searches run when the kind allows it (index_gpu.resolve_device'd)
+        self.gpu_index: faiss.Index | None = None  # GPU copy, rebuilt lazily after changes it cannot follow
+        self.retuning = False  # auto: a background re-tune is running
+        self._pending: list[tuple] | None = None  # mutations applied while it runs, replayed on its result
+        self.last_tuning: dict[str, Any] | None = None
+
+    # ---- persistence ------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
+        """Make the directory in a hidden staging name and rename it into place, so a failed create (full disk)
+        leaves nothing a restart would load or quarantine (``clean_temp_files`` removes stray staging dirs)."""
+        staging = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
+        staging.mkdir(parents=True)
+        placed = False
+        try:
+            atomic_write(staging / "config.json", json.dumps(asdict(cfg), indent=1).encode())
+            os.close(os.open(staging / "wal.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            fsync_path(staging)
+            os.rename(staging, path)
+            placed = True
+            fsync_path(path.parent)  # the new index directory itself must survive a crash
+        except BaseException:
+            shutil.rmtree(path if placed else staging, ignore_errors=True)
+            raise
+        return cls(path, cfg, build_index(cfg), Metadata(), 0, set(), device=device)
+
+    @classmethod
+    def load(cls, path: Path, data_dir: Path, device: str = "cpu") -> ManagedIndex:
+        """Open from disk; a corrupt config/snapshot raises, a corrupt WAL record is quarantined and the valid
+        prefix replayed (a torn tail is an unacknowledged write and is dropped)."""
+        cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
+        snap = path / "snapshot.npz"
+        index, metadata, seq, ids = build_index(cfg), {}, 0, set()
+        if snap.exists():
+            with np.load(snap, allow_pickle=False) as z:
+                index = faiss.deserialize_index(np.ascontiguousarray(z["index"]))
+                meta = json.loads(bytes(z["meta"]).decode())
+                ids = set(np.asarray(z["ids"], dtype=np.int64).tolist())
+            if len(ids) != index.ntotal:
+                raise ValueError(f"snapshot has {index.ntotal} vectors but {len(ids)} ids")
+            metadata = {int(k): v for k, v in meta["metadata"].items()}
+            seq = int(meta["seq"])
+            if "config" in meta:  # an auto index's current kind and tuning, as of this snapshot
+                cfg = IndexConfig(**meta["config"])
+            if index.d != cfg.dim:
+                raise ValueError(f"snapshot dim {index.d} != config dim {cfg.dim}")
+        elif (path / INDEX_FILE).exists():  # built by msn-index: loaded into memory, since the writer mutates it
+            _, index, id_arr, metadata, seq = read_index_dir(path, mmap=False)
+            ids = set(id_arr.tolist())
+        records, valid_len, problem = WriteAheadLog.read(path / "wal.log")
+        if problem is not None:
+            if problem.startswith("torn tail"):
+                log.warning("%s: WAL %s; dropping the unacknowledged tail", path.name, problem)
+            else:
+                quarantine(data_dir, _copy(path / "wal.log"), f"WAL {problem}; replaying the valid prefix")
+            with open(path / "wal.log", "r+b") as f:
+                f.truncate(valid_len)
+        obj = cls(path, cfg, index, metadata, seq, ids, device=device)
+        replayed = 0
+        for rseq, payload in records:
+            if rseq <= obj.seq:
+                continue
+            op, ids, vecs, meta_list = decode_record(payload)
+            obj._apply(op, ids, vecs, meta_list)
+            obj.seq = rseq
+            replayed += 1
+        log.info("index %s: %d vectors (%d WAL records replayed)", path.name, obj.index.ntotal, replayed)
+        with obj.lock:
+            obj._maybe_retune()  # e.g. a crash interrupted a re-tune
+        return obj
+
+    @classmethod
+    def open_read_only(cls, path: Path, device: str = "cpu") -> ManagedIndex:
+        """A published index, memory-mapped where FAISS allows, with no WAL: any failure raises."""
+        config, index, ids, metadata, seq = read_index_dir(path, mmap=True)
+        return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True,
+                   device=device)
+
+    def export(self, dest: Path) -> None:
+        """Write the current state in the mmap-able form (for publishing); consistent under ``lock``."""
+        with self.lock:
+            self._check_open()
+            write_index_dir(dest, asdict(self.cfg), self.index, np.fromiter(self.ids, np.int64, len(self.ids)),
+                            self.metadata, self.seq)
+
+    def snapshot(self) -> None:
+        """Replace ``snapshot.npz`` with the current state, then empty the WAL (a failure at any step leaves a
+        state that loads: the old snapshot + the whole WAL, or the new snapshot + records it already holds)."""
+        with self.lock:
+            meta = (f'{{"seq":{int(self.seq)},"config":{json.dumps(asdict(self.cfg))},'
+                    f'"metadata":{self.metadata.to_json()}}}')
+            buf = io.BytesIO()
+            np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
+                     ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
+            atomic_write(self.path / "snapshot.npz", buf.getvalue())
+            if self.cfg.auto:  # its kind changes; the snapshot (written first) is what load() trusts
+                atomic_write(self.path / "config.json", json.dumps(asdict(self.cfg), indent=1).encode())
+            for stale in (INDEX_FILE, STATE_FILE):  # a built index's files are superseded by the snapshot
+                if (self.path / stale).exists():
+                    remove_durably(self.path / stale)
+            self.wal.truncate(0)  # records <= seq are in the snapshot; a crash before this only re-skips them
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            if self.wal is None:
+                self.closed = True
+                return
+            if self.wal.size():
+                self.snapshot()
+            self.wal.close()
+            self.closed = True
+
+    def _check_writable(self) -> None:
+        if self.wal is None:
+            raise read_only_replica()
+
+    def _check_open(self) -> None:
+        """Called under ``lock``: a request that waited while the index was dropped gets a 404, not a crash."""
+        if self.closed:
+            raise not_found(f"index {self.path.name!r} was deleted")
+
+    # ---- mutations --------------------------------------------------------------------------------------------
+    def _prepare(self, vecs: np.ndarray) -> np.ndarray:
+        """float32 (n, dim), finite; L2-normalised (in float64, so huge values cannot overflow) if the index
+        normalises, else small enough that squared distances and inner products stay finite in float32."""
+        v = np.asarray(vecs)
+        if v.ndim != 2 or v.shape[1] != self.cfg.dim:
+            raise unprocessable(f"vectors must have shape (n, {self.cfg.dim}), got {tuple(v.shape)}")
+        v = v.astype(np.float64)
+        if not np.isfinite(v).all():
+            raise unprocessable("vectors contain NaN or infinity")
+        if self.cfg.normalize:
+            norms = np.linalg.norm(v, axis=1, keepdims=True)
+            if (norms == 0).any():
+                raise unprocessable("cannot normalise an all-zero vector (index was created with normalize)")
+            return np.ascontiguousarray(v / norms, dtype=np.float32)
+        bound = math.sqrt(F32_MAX / (4 * self.cfg.dim))
+        if v.size and np.abs(v).max() > bound:
+            raise unprocessable(f"vector components must be within ±{bound:.3g} in an index without normalisation "
+                                f"(distances must stay finite in float32)")
+        return np.ascontiguousarray(v, dtype=np.float32)
+
+    def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> None:
+        if self._pending is not None:
+            self._pending.append((op, ids, vecs))
+        if op == "add":  # an upsert: ids already present are replaced (add() filtered them out where FAISS can't)
+            present = [i for i in ids.tolist() if i in self.ids]
+            self._sync_gpu("replace" if present else op, ids, vecs)
+            if present:
+                self.index.remove_ids(np.asarray(present, dtype=np.int64))
+            self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+            self.ids.update(ids.tolist())
+            for j, i in enumerate(ids.tolist()):
+                self.metadata.put(i, None if texts is None else texts[j])
+        elif op == "remove":
+            self._sync_gpu(op, ids, vecs)
+            self.index.remove_ids(ids)
+            for i in ids.tolist():
+                self.ids.discard(i)
+                self.metadata.drop(i)
+        else:  # pragma: no cover - only our own writer produces records
+            raise ValueError(f"unknown WAL op {op!r}")
+
+    def add(self, ids: Any, vecs: np.ndarray, metadata: list | None = None) -> dict[str, int]:
+        """Add (or replace) vectors under ``ids``; durable (WAL fsync'd or snapshot written) before it returns."""
+        arr = _check_ids(ids)
+        v = self._prepare(vecs)
+        if v.shape[0] != arr.size:
+            raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
+        try:
+            texts = to_texts(metadata, arr.size)
+        except ValueError as e:
+            raise unprocessable(str(e)) from None
+        with self.lock, persisting(f"add to index {self.path.name!r}"):
+            self._check_writable()
+            self._check_open()
+            present = [j for j, i in enumerate(arr.tolist()) if i in self.ids]
+            if present and not self.cfg.replaceable:
+                arr, v, texts = self._drop_unchanged(present, arr, v, texts)
+                present = []  # what is left is new
+            if self.metadata_limit is not None and \
+                    self.metadata.size_after(arr.tolist(), texts) > self.metadata_limit:
+                raise too_large(f"index {self.path.name!r} would hold more than {self.metadata_limit} bytes of "
+                                "metadata (max_index_metadata_mb)")
+            if self.cfg.type in IVF_TYPES and not self.index.is_trained:
+                self._first_ivf_add(arr, v, texts)
+            elif arr.size:
+                seq = self.seq + 1
+                self.wal.append(seq, encode_record("add", arr, v, texts))  # raises (rolled back) on a full disk
+                self._apply("add", arr, v, texts)
+                self.seq = seq
+                self._maybe_compact()
+                self._maybe_retune()
+        return {"added": int(arr.size) - len(present), "replaced": len(present)}
+
+    def _drop_unchanged(self, present: list[int], arr: np.ndarray, v: np.ndarray,
+                        texts: Texts | None) -> tuple[np.ndarray, np.ndarray, Texts | None]:
+        """Kinds that cannot remove vectors (hnsw, re-ranked ivfpq, auto with deletes=false) only accept an id that
+        is already there re-added unchanged (a retry)."""
+        for j in present:
+            i = int(arr[j])
+            try:
+                stored = self.index.reconstruct(i)
+            except RuntimeError:  # IVF keeps no id -> vector map (an auto index with deletes=false tuned to ivf)
+                stored = None
+            same = stored is not None and np.array_equal(stored, v[j]) and \
+                self.metadata.text(i) == (None if texts is None else texts[j])
+            if not same:
+                raise conflict(f"id {i} is already in this index with another vector or metadata, and "
+                               f"{self.cfg.why_immutable} (FAISS limitation): use a flat, ivf or auto index")
+        keep = np.setdiff1d(np.arange(arr.size), present)
+        return arr[keep], v[keep], None if texts is None else Texts(texts[j] for j in keep.tolist())
+
+    def _first_ivf_add(self, arr: np.ndarray, v: np.ndarray, texts: Texts | None) -> None:
+        """IVF trains on its first add, which is snapshotted (k-means is not replayed bit-exactly); a failed
+        snapshot puts the untrained, empty index back."""
+        if arr.size < self.cfg.nlist:
+            raise unprocessable(f"an ivf index trains on its first add: send at least nlist={self.cfg.nlist} "
+                                f"vectors (got {arr.size}) or create it with a smaller nlist")
+        seq = self.seq
+        self.index.train(v)
+        self._apply("add", arr, v, texts)
+        self.seq = seq + 1
+        try:
+            self.snapshot()
+        except BaseException:
+            self.index, self.ids, self.metadata, self.seq = build_index(self.cfg), set(), Metadata(), seq
+            raise
+
+    def remove(self, ids: Any) -> dict[str, Any]:
+        arr = _check_ids(ids)
+        if not self.cfg.replaceable:
+            raise conflict(f"{self.cfg.why_immutable} (FAISS limitation); use a flat, ivf or auto index")
+        with self.lock, persisting(f"delete from index {self.path.name!r}"):
+            self._check_writable()
+            self._check_open()
+            present = np.array([i for i in arr.tolist() if i in self.ids], dtype=np.int64)
+            missing = sorted(set(arr.tolist()) - set(present.tolist()))
+            if present.size:
+                seq = self.seq + 1
+                self.wal.append(seq, encode_record("remove", present, None, None))
+                self._apply("remove", present, None, None)
+                self.seq = seq
+                self._maybe_compact()
+        return {"removed": int(present.size), "not_found": missing}
+
+    def _maybe_compact(self) -> None:
+        """Snapshot a long WAL. The write that triggered it is already durable, so a failure is only logged
+        (the WAL still holds every record) and compaction is tried again after the next write."""
+        if self.wal.size() > self.compact_bytes:
+            try:
+                self.snapshot()
+            except OSError as e:
+                log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
+
+    # ---- GPU copy and auto re-tuning (both under ``lock``) -----------------------------------------------------
+    @property
+    def search_device(self) -> str:
+        return "cuda" if self.device == "cuda" and index_gpu.supported(self.cfg) else "cpu"
+
+    def _searcher(self) -> faiss.Index:
+        if self.search_device == "cpu":
+            return self.index
+        if self.gpu_index is None:
+            self.gpu_index = index_gpu.to_gpu(self.index)
+        return self.gpu_index
+
+    def _sync_gpu(self, op: str, ids: np.ndarray, vecs: np.ndarray | None) -> None:
+        """Plain adds go to the GPU copy too; anything else drops it (rebuilt from the CPU index at the next
+        search)."""
+        if self.gpu_index is None:
+            return
+        if op == "add" and self.index.is_trained:
+            self.gpu_index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
+        else:
+            self.gpu_index = None
+
+    def _maybe_retune(self) -> None:
+        index_auto.maybe_retune(self)
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    def query(self, vecs: np.ndarray, k: int, nprobe: int | None = None,
+              ef_search: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """FAISS search: ``(scores (n, k'), ids (n, k'), {hit id: metadata JSON text})`` with ``k' = min(k,
+        ntotal)`` (FAISS allocates n x k results, so k beyond the index size would only cost memory)."""
+        q = self._prepare(vecs)
+        with self.lock:
+            self._check_open()
+            k = min(int(k), int(self.index.ntotal))
+            if k == 0:
+                return np.zeros((q.shape[0], 0), np.float32), np.zeros((q.shape[0], 0), np.int64), {}
+            params = search_params(self.cfg, k, nprobe=nprobe, ef_search=ef_search)
+            scores, labels = self._searcher().search(q, k, params=params)
+            texts = {i: t for i in np.unique(labels).tolist() if i >= 0 and (t := self.metadata.text(i)) is not None}
+        return scores, labels, texts
+
+    def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
+        """:meth:`query` as ``[[{"id", "score", "metadata"?}, ...], ...]`` (for in-process callers)."""
+        scores, labels, texts = self.query(vecs, k, nprobe, ef_search)
+        out = []
+        for srow, lrow in zip(scores.tolist(), labels.tolist(), strict=True):
+            hits = []
+            for d, i in zip(srow, lrow, strict=True):
+                if i >= 0:
+                    hits.append({"id": i, "score": d, **({"metadata": json.loads(texts[i])} if i in texts else {})})
+            out.append(hits)
+        return out
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            auto = {"next_tuning": self.cfg.next_tuning(), "retuning": self.retuning,
+                    "last_tuning": self.last_tuning} if self.cfg.auto else None
+            return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
+                    "device": self.search_device, "auto_tuning": auto,
+                    "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
+                    "metadata_bytes": self.metadata.nbytes,
+                    "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,
+                    "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
+                    else "squared L2 distance (lower is closer)"}
+
+
+def _check_ids(ids: Any) -> np.ndarray:
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1 and ids.size:
+        ids = ids.tolist()  # from the request model (already checked); checked again for in-process callers
+    if not isinstance(ids, list) or not ids:
+        raise unprocessable("ids must be a non-empty JSON list of integers")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID for i in ids):
+        raise unprocessable(f"ids must be integers in [0, {MAX_ID}]")
+    if len(set(ids)) != len(ids):
+        raise unprocessable("ids contain duplicates")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _copy(path: Path) -> Path:
+    dest = path.with_name(path.name + ".corrupt-copy")
+    dest.write_bytes(path.read_bytes())
+    return dest

@@ -1,0 +1,269 @@
+"""Embed a whole image corpus with an exported bundle, sharded over torchrun ranks (``msn-embed``).
+
+``torchrun --nproc_per_node=N -m training.bundle.embed --bundle B --data DIR|LIST --out OUT`` (plain ``python -m`` = one
+process). The corpus is the sorted file list of an ImageFolder tree (or any directory of images), or the lines of a
+text file; image *i* of that list gets id *i*, so ids do not depend on the number of ranks or on restarts. The
+list is cut into shards of ``--shard-size`` consecutive images and shard *s* goes to rank ``s % world_size``.
+
+Per shard ``OUT/shard-SSSSS.{emb.npy,ids.npy,paths.jsonl}`` (paths relative to ``--data`` for directories, as
+written for file lists) are written through temporary files (fsync + rename)
+and then ``shard-SSSSS.json`` commits it; a restart skips every committed shard, so a killed job loses at most one
+shard per rank. Unreadable images are skipped (no embedding, no id) and listed in the shard's JSON. Rank 0 finally
+writes ``manifest.json`` (model id, dim, shards, counts), which is what ``msn-index build`` reads.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from msn_core.bundle import META_FILE, load_bundle_info
+from msn_core.durable import atomic_write, atomic_write_json
+from training.data import IMAGE_EXTENSIONS, ImageFolderDataset, load_image, pil_to_tensor
+from training.distributed import barrier, cleanup, init_distributed
+from training.evaluation.features import OnnxEmbedder, TorchEmbedder, bundle_fingerprint
+from training.views import eval_transform
+
+log = logging.getLogger("msn.embed")
+FORMAT = "msn-embeddings"
+FORMAT_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------------ the corpus
+
+
+def list_corpus(data: Path) -> list[tuple[str, str | None]]:
+    """``[(path, label or None)]`` in id order: an ImageFolder tree or a plain image directory (paths relative to
+    ``data``, so the listing does not depend on the working directory), or a file list (paths as written)."""
+    if data.is_file():
+        lines = [ln.strip() for ln in data.read_text(encoding="utf-8").splitlines()]
+        items = [(ln, None) for ln in lines if ln and not ln.startswith("#")]
+        if not items:
+            raise ValueError(f"file list {data} has no entries (one image path per line)")
+        return items
+    if not data.is_dir():
+        raise FileNotFoundError(f"--data {data}: neither an image directory nor a file list")
+    if any(e.is_dir() for e in os.scandir(data)):
+        ds = ImageFolderDataset(data, load_size=1)  # only its sorted file listing is used
+        return [(os.path.normpath(rel), ds.classes[label]) for rel, label in ds.samples]
+    files = sorted(p.name for p in data.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {data}")
+    return [(name, None) for name in files]
+
+
+class _Images(Dataset):
+    """Decodes one file to uint8 (3, S, S); a failure is returned (not raised) so the shard can count it."""
+
+    def __init__(self, paths: list[Path], first_id: int, size: int):
+        self.paths, self.first_id, self.size = paths, first_id, size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor | None, str | None]:
+        try:
+            return self.first_id + i, pil_to_tensor(load_image(self.paths[i], self.size)), None
+        except Exception as e:  # noqa: BLE001 - any undecodable file is skipped and reported, never fatal
+            return self.first_id + i, None, f"{type(e).__name__}: {e}"
+
+
+def _collate(batch: list) -> tuple[list[int], torch.Tensor | None, list[tuple[int, str]]]:
+    good = [(i, img) for i, img, err in batch if err is None]
+    bad = [(i, err) for i, _, err in batch if err is not None]
+    images = torch.stack([img for _, img in good]) if good else None
+    return [i for i, _ in good], images, bad
+
+
+# ------------------------------------------------------------------------------------------------ embedding
+
+
+def _embedder(bundle: Path, backend: str, device: str, threads: int):
+    if backend == "torch":
+        torch.set_num_threads(threads)
+        return TorchEmbedder.from_bundle(bundle, device=device)
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else None
+    return OnnxEmbedder(bundle, providers=providers, intra_op_threads=threads)
+
+
+def shard_name(s: int) -> str:
+    return f"shard-{s:05d}"
+
+
+def embed_shard(out: Path, s: int, items: list[tuple[str, str | None]], first_id: int, embedder, pre: dict,
+                args: argparse.Namespace, bar) -> dict:
+    """Embed one shard and commit it; returns the shard record written to ``shard-SSSSS.json``."""
+    crop, num_patches = int(pre["crop"]), (int(pre["crop"]) // embedder.patch_size) ** 2
+    base = args.data if args.data.is_dir() else Path()
+    ds = _Images([base / p for p, _ in items], first_id, int(pre["resize"]))
+    loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, collate_fn=_collate)
+    chunks, ids, skipped = [], [], []
+    for batch_ids, images, bad in loader:
+        skipped += [{"id": i, "path": items[i - first_id][0], "error": err} for i, err in bad]
+        if images is not None:
+            pixels = eval_transform(images, resize=int(pre["resize"]), crop=crop, mean=pre["mean"],
+                                    std=pre["std"]).numpy()
+            keep = np.broadcast_to(np.arange(num_patches, dtype=np.int64), (len(pixels), num_patches))
+            chunks.append(np.asarray(embedder(pixels, np.ascontiguousarray(keep)), dtype=np.float32))
+            ids += batch_ids
+        if bar is not None:
+            bar.update(len(batch_ids) + len(bad))
+            bar.set_postfix(skipped=bar.skipped + len(skipped))
+    for err in skipped:
+        log.warning("skipping unreadable image %s (%s)", err["path"], err["error"])
+    emb = np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)
+    if not np.isfinite(emb).all():
+        raise RuntimeError(f"{shard_name(s)}: the model produced NaN/inf embeddings")
+    name = shard_name(s)
+    rows = [json.dumps({"id": i, "path": items[i - first_id][0], "label": items[i - first_id][1]})
+            for i in ids]
+    atomic_write(out / f"{name}.emb.npy", lambda f: np.save(f, emb))
+    atomic_write(out / f"{name}.ids.npy", lambda f: np.save(f, np.asarray(ids, dtype=np.int64)))
+    atomic_write(out / f"{name}.paths.jsonl", lambda f: f.write("".join(r + "\n" for r in rows).encode()))
+    record = {"shard": s, "embeddings": f"{name}.emb.npy", "ids": f"{name}.ids.npy", "paths": f"{name}.paths.jsonl",
+              "first_id": first_id, "files": len(items), "count": len(ids), "dim": int(emb.shape[1]) if len(ids) else 0,
+              "skipped": skipped}
+    atomic_write_json(out / f"{name}.json", record)  # the commit point: a shard without it is redone
+    return record
+
+
+def _shard_done(out: Path, s: int, n_files: int) -> dict | None:
+    path = out / f"{shard_name(s)}.json"
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    if rec.get("files") != n_files or not all((out / rec[k]).is_file() for k in ("embeddings", "ids", "paths")):
+        return None
+    return rec
+
+
+IDENTITY = ("model_id", "bundle_sha256", "feature", "backend", "num_files", "files_sha256", "shard_size")
+
+
+def _check_run(out: Path, run: dict) -> None:
+    """Refuse to mix shards of two different runs (other weights, backend, corpus or shard size) in one directory;
+    paths are not compared, so the same job may be restarted from another working directory or mount point."""
+    path = out / "run.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in IDENTITY if old.get(k) != run[k])
+        if diff:
+            raise SystemExit(f"msn-embed: {out} holds embeddings of a different run (differs in {diff}); "
+                             "use a fresh --out directory or delete it")
+    else:
+        atomic_write_json(path, run)
+
+
+def write_manifest(out: Path, run: dict, n_shards: int, dim: int, seconds: float) -> dict:
+    shards = []
+    for s in range(n_shards):
+        rec = json.loads((out / f"{shard_name(s)}.json").read_text())
+        shards.append({k: rec[k] for k in ("shard", "embeddings", "ids", "paths", "first_id", "files", "count")}
+                      | {"skipped": len(rec["skipped"])})
+    skipped = sum(s["skipped"] for s in shards)
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **{k: v for k, v in run.items() if k != "started"},
+                "dim": dim, "count": sum(s["count"] for s in shards), "skipped": skipped, "shards": shards,
+                "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    atomic_write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="msn-embed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bundle", type=Path, required=True, help="msn-export bundle directory")
+    p.add_argument("--data", type=Path, required=True, help="ImageFolder/image directory, or a text file of paths")
+    p.add_argument("--out", type=Path, required=True, help="output directory for shards + manifest.json")
+    p.add_argument("--backend", choices=["onnx", "torch"], default="onnx",
+                   help="onnx = the graph msn-serve runs (default); torch = encoder.safetensors")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank via LOCAL_RANK)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--shard-size", type=int, default=10_000, help="images per shard (the restart granularity)")
+    p.add_argument("--workers", type=int, default=2, help="decoding DataLoader workers per rank")
+    p.add_argument("--threads", type=int, default=0, help="inference threads per rank (0 = cores / local ranks)")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.shard_size < 1 or args.workers < 0 or args.threads < 0:
+        p.error("--batch-size and --shard-size must be >= 1, --workers and --threads >= 0")
+    if args.device not in ("cpu", "cuda"):
+        p.error("--device must be cpu or cuda")
+    if not (args.bundle / META_FILE).is_file():
+        p.error(f"--bundle {args.bundle}: not an msn-export bundle (no {META_FILE})")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dist = init_distributed("cuda" if args.device == "cuda" else "cpu")
+    try:
+        return _run(args, dist)
+    finally:
+        cleanup()
+
+
+def _run(args: argparse.Namespace, dist) -> int:
+    t0 = time.perf_counter()
+    items = list_corpus(args.data)
+    info = load_bundle_info(args.bundle)
+    pre = info.preprocessing.to_dict()
+    run = {"model_id": info.model_id, "feature": info.feature,
+           "bundle": str(args.bundle.resolve()), "bundle_sha256": bundle_fingerprint(args.bundle),
+           "backend": args.backend, "source": str(args.data.resolve()), "num_files": len(items),
+           "files_sha256": hashlib.sha256("\n".join(p for p, _ in items).encode()).hexdigest(),
+           "shard_size": args.shard_size,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if dist.rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        _check_run(args.out, run)
+    barrier()
+    if dist.rank != 0:
+        _check_run(args.out, run)  # rank 0 wrote run.json; every rank verifies it runs the same job
+    n_shards = -(-len(items) // args.shard_size)
+    mine = [s for s in range(n_shards) if s % dist.world_size == dist.rank]
+    todo = [s for s in mine if _shard_done(args.out, s, len(items[s * args.shard_size:(s + 1) * args.shard_size]))
+            is None]
+    log.info("rank %d/%d: %d of its %d shards to embed (%d images in total, %d shards)", dist.rank,
+             dist.world_size, len(todo), len(mine), len(items), n_shards)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local)
+    bar = None
+    if dist.rank == 0 and todo:
+        from tqdm.auto import tqdm
+
+        total = sum(len(items[s * args.shard_size:(s + 1) * args.shard_size]) for s in todo)
+        bar = tqdm(total=total, desc=f"msn-embed rank 0/{dist.world_size}", unit="img", file=sys.stderr)
+        bar.skipped = 0
+    if todo:
+        embedder = _embedder(args.bundle, args.backend, args.device, threads)
+        for s in todo:
+            lo = s * args.shard_size
+            rec = embed_shard(args.out, s, items[lo:lo + args.shard_size], lo, embedder, pre, args, bar)
+            if bar is not None:
+                bar.skipped += len(rec["skipped"])
+    if bar is not None:
+        bar.close()
+    barrier()
+    if dist.rank == 0:
+        dims = {json.loads((args.out / f"{shard_name(s)}.json").read_text())["dim"] for s in range(n_shards)} - {0}
+        if len(dims) != 1:
+            raise SystemExit(f"msn-embed: shards disagree on the embedding size {sorted(dims)} (or none embedded)")
+        m = write_manifest(args.out, run, n_shards, dims.pop(), time.perf_counter() - t0)
+        print(f"msn-embed: {m['count']} embeddings (dim {m['dim']}) in {n_shards} shards, {m['skipped']} unreadable "
+              f"files skipped, {m['seconds']} s -> {args.out / 'manifest.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
