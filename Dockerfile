@@ -10,6 +10,9 @@
 # serve-gpu base must match the onnxruntime-gpu wheel: onnxruntime-gpu 1.31.x on PyPI is built for CUDA 13 + cuDNN 9
 # (its `cuda` extra requires nvidia-cuda-runtime~=13.0). torch 2.13.0 on PyPI brings its own CUDA 13 libraries as
 # nvidia-* wheels, so the train target needs no CUDA base image, only an NVIDIA driver >= 580 on the host.
+# What all three share is written once: deploy/docker/base.sh (interpreter, user msn with UID 10001, /opt/venv) runs
+# on each base image, and each target installs its extras straight into /opt/venv from a read-only view of the
+# `source` stage, so no source tree or build leftover stays in an image.
 # This file is linted by hadolint in tests/deploy/test_dockerfile.py; no image was built on the development machines
 # (no Docker engine there): see docs/deploy.md.
 
@@ -17,7 +20,7 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
 # --------------------------------------------------------------------------------------------------------------------
-# Source: only what `pip install .` needs (.dockerignore is an allow-list too).
+# Source: only what `pip install .` needs (.dockerignore is an allow-list too). Targets mount it, never copy it.
 FROM ${PYTHON_IMAGE} AS source
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
@@ -28,36 +31,43 @@ COPY visualizer/ visualizer/
 COPY configs/ configs/
 
 # --------------------------------------------------------------------------------------------------------------------
-# serve: CPU serving image. `pip install .[serve]` alone: no torch, so the image stays small.
-FROM ${PYTHON_IMAGE} AS serve-build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-COPY --from=source /src /src
-WORKDIR /src
-RUN pip install --no-cache-dir -c constraints.txt ".[serve]" \
-    && python -c "import msn_core, msn_serve, onnxruntime, faiss; print('onnxruntime', onnxruntime.__version__)" \
-    && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve image" >&2; exit 1; fi
+# Bases: the two base images, each prepared by the same script. serve and train stand on the slim Python image;
+# serve-gpu on the CUDA 13 + cuDNN 9 runtime with the distribution's Python (3.12 on Ubuntu 24.04).
+FROM ${PYTHON_IMAGE} AS python-base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN --mount=type=bind,source=deploy/docker/base.sh,target=/tmp/base.sh sh /tmp/base.sh
 
-FROM ${PYTHON_IMAGE} AS serve
+FROM ${CUDA_IMAGE} AS cuda-base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+RUN --mount=type=bind,source=deploy/docker/base.sh,target=/tmp/base.sh sh /tmp/base.sh
+
+# --------------------------------------------------------------------------------------------------------------------
+# serve: CPU serving image. `pip install .[serve]` alone: no torch, so the image stays small.
+FROM python-base AS serve
 ARG MSN_VERSION=0.1.0
 LABEL org.opencontainers.image.title="msn-serve" \
       org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime, CPU, no torch)" \
       org.opencontainers.image.version="${MSN_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PATH=/opt/venv/bin:$PATH \
-    MSN_SERVE_HOST=0.0.0.0 \
+WORKDIR /src
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    pip install --no-cache-dir -c constraints.txt ".[serve]" \
+    && python -c "import msn_core, msn_serve, onnxruntime, faiss; print('onnxruntime', onnxruntime.__version__)" \
+    && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve image" >&2; exit 1; fi \
+    && install -d -o msn -g msn /data && install -d /models
+ENV MSN_SERVE_HOST=0.0.0.0 \
     MSN_SERVE_PORT=8000 \
     MSN_SERVE_BUNDLE=/models/bundle \
     MSN_SERVE_DATA_DIR=/data \
     MSN_SERVE_DEVICE=cpu
-RUN groupadd --system --gid 10001 msn \
-    && useradd --system --uid 10001 --gid msn --home-dir /home/msn --create-home --shell /usr/sbin/nologin msn \
-    && mkdir -p /data /models \
-    && chown msn:msn /data
-COPY --from=serve-build /opt/venv /opt/venv
 USER 10001:10001
 WORKDIR /home/msn
 EXPOSE 8000
@@ -67,53 +77,31 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
 ENTRYPOINT ["msn-serve"]
 
 # --------------------------------------------------------------------------------------------------------------------
-# serve-gpu: CUDA 13 + cuDNN 9 runtime base, the distribution's Python (3.12 on Ubuntu 24.04), onnxruntime-gpu and
-# faiss-gpu (which brings its own CUDA 12 runtime and cuBLAS as nvidia-*-cu12 wheels; both run on an R580+ driver).
-FROM ${CUDA_IMAGE} AS serve-gpu-base
-# Ubuntu's archive keeps only the newest build of a package, so apt versions cannot be pinned durably;
-# reproducibility comes from the pinned base image tag.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
-
-FROM serve-gpu-base AS serve-gpu-build
+# serve-gpu: onnxruntime-gpu and faiss-gpu (which brings its own CUDA 12 runtime and cuBLAS as nvidia-*-cu12 wheels;
+# both run on an R580+ driver).
+FROM cuda-base AS serve-gpu
+ARG MSN_VERSION=0.1.0
 ARG ONNXRUNTIME_GPU_VERSION=1.31.1
 ARG FAISS_GPU_VERSION=1.15.1
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-COPY --from=source /src /src
-WORKDIR /src
-# The gpu extra is the whole serving install with the GPU builds of onnxruntime and faiss instead of the CPU ones
-# (same modules: never both). faiss itself is not imported here: its GPU build needs the driver, which a build lacks.
-RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
-        "faiss-gpu==${FAISS_GPU_VERSION}" \
-    && if pip show onnxruntime faiss-cpu >/dev/null 2>&1; then echo "a CPU build leaked into serve-gpu" >&2; exit 1; fi \
-    && python -c "import onnxruntime as ort; p = ort.get_available_providers(); print(p); assert 'CUDAExecutionProvider' in p" \
-    && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve-gpu image" >&2; exit 1; fi
-
-FROM serve-gpu-base AS serve-gpu
-ARG MSN_VERSION=0.1.0
 LABEL org.opencontainers.image.title="msn-serve-gpu" \
       org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime CUDA 13, FAISS GPU)" \
       org.opencontainers.image.version="${MSN_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PATH=/opt/venv/bin:$PATH \
-    NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    MSN_SERVE_HOST=0.0.0.0 \
+WORKDIR /src
+# The gpu extra is the whole serving install with the GPU builds of onnxruntime and faiss instead of the CPU ones
+# (same modules: never both). faiss itself is not imported here: its GPU build needs the driver, which a build lacks.
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    pip install --no-cache-dir -c constraints.txt ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
+        "faiss-gpu==${FAISS_GPU_VERSION}" \
+    && if pip show onnxruntime faiss-cpu >/dev/null 2>&1; then echo "a CPU build leaked into serve-gpu" >&2; exit 1; fi \
+    && python -c "import onnxruntime as ort; p = ort.get_available_providers(); print(p); assert 'CUDAExecutionProvider' in p" \
+    && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve-gpu image" >&2; exit 1; fi \
+    && install -d -o msn -g msn /data && install -d /models
+ENV MSN_SERVE_HOST=0.0.0.0 \
     MSN_SERVE_PORT=8000 \
     MSN_SERVE_BUNDLE=/models/bundle \
     MSN_SERVE_DATA_DIR=/data \
     MSN_SERVE_DEVICE=cuda
-RUN groupadd --system --gid 10001 msn \
-    && useradd --system --uid 10001 --gid msn --home-dir /home/msn --create-home --shell /usr/sbin/nologin msn \
-    && mkdir -p /data /models \
-    && chown msn:msn /data
-COPY --from=serve-gpu-build /opt/venv /opt/venv
 USER 10001:10001
 WORKDIR /home/msn
 EXPOSE 8000
@@ -123,35 +111,24 @@ ENTRYPOINT ["msn-serve"]
 
 # --------------------------------------------------------------------------------------------------------------------
 # train: torch 2.13.0 from PyPI (the Linux x86_64 wheel there is the CUDA 13 build; its CUDA/cuDNN/NCCL libraries
-# come as nvidia-* wheels), the train and viz extras, the training scripts and configs under /workspace.
-FROM ${PYTHON_IMAGE} AS train-build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-COPY --from=source /src /src
-WORKDIR /src
-RUN pip install --no-cache-dir -c constraints.txt ".[train,viz]" \
-    && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-
-FROM ${PYTHON_IMAGE} AS train
+# come as nvidia-* wheels, so no CUDA base image), the train and viz extras, the training scripts and configs under
+# /workspace.
+FROM python-base AS train
 ARG MSN_VERSION=0.1.0
 LABEL org.opencontainers.image.title="msn-train" \
       org.opencontainers.image.description="Masked Siamese Networks pretraining, evaluation, export and visualizer (torch 2.13.0, CUDA)" \
       org.opencontainers.image.version="${MSN_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PATH=/opt/venv/bin:$PATH \
-    NVIDIA_VISIBLE_DEVICES=all \
+WORKDIR /src
+RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
+    pip install --no-cache-dir -c constraints.txt ".[train,viz]" \
+    && python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+    && install -d -o msn -g msn /workspace/runs /workspace/bundles
+ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     HF_HUB_OFFLINE=1 \
     GRADIO_ANALYTICS_ENABLED=False \
     MPLCONFIGDIR=/tmp/matplotlib
-RUN groupadd --system --gid 10001 msn \
-    && useradd --system --uid 10001 --gid msn --home-dir /home/msn --create-home --shell /usr/sbin/nologin msn \
-    && mkdir -p /workspace/runs /workspace/bundles \
-    && chown msn:msn /workspace/runs /workspace/bundles
-COPY --from=train-build /opt/venv /opt/venv
 COPY --from=source /src/training /workspace/training
 COPY --from=source /src/configs /workspace/configs
 USER 10001:10001

@@ -8,6 +8,7 @@ PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 CHROMIUM := /usr/bin/chromium
+KUBECTL := /usr/bin/kubectl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_RUN ?= runs/demo
 DEMO_BUNDLE ?= bundles/demo
@@ -18,7 +19,7 @@ DEMO_APP_PORT ?= 7860
 
 .PHONY: setup data demo test lint clean
 
-setup: $(STAMP) $(CHROMIUM)
+setup: $(STAMP) $(CHROMIUM) $(KUBECTL)
 
 $(STAMP): pyproject.toml constraints.txt
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
@@ -37,6 +38,11 @@ $(FMNIST):
 $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
+
+# Debian's kubectl (1.20, built-in kustomize): tests/deploy renders deploy/k8s with `kubectl kustomize`, offline.
+$(KUBECTL):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq kubernetes-client
 
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
 # accuracy beside the raw-pixel baseline, train a small

@@ -13,8 +13,8 @@ architecture are the baselines. Runs are timed: give them the machine to themsel
 after each run is recorded beside its throughput).
 
 Steps whose outputs exist are skipped, so an interrupted curve continues (a pretraining run interrupted midway
-starts again: its budget is wall-clock time). The result is ``docs/budget_curve.json`` and
-``docs/budget_curve.png``, and ``docs/results.md`` is re-rendered.
+starts again: its budget is wall-clock time). The result is ``docs/budget_curve.json``;
+``python benchmarks/render_docs.py --plots`` draws ``docs/budget_curve.png`` and its section of ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.paper_tables import (
-    DOCS,
-    SEED,
+from benchmarks.common import DOCS, machine
+from benchmarks.protocol import BUDGET_JSON, budget_bundle
+from benchmarks.steps import (
     Step,
     eval_step,
     export_random_init,
@@ -43,19 +43,10 @@ from benchmarks.paper_tables import (
     set_args,
     subprocess_action,
 )
-from benchmarks.results_report import (
-    BUDGET_JSON,
-    BUDGET_PNG,
-    SETTINGS,
-    budget_bundle,
-    machine,
-    mean_accuracy,
-    render,
-)
-from msn_core.durable import atomic_write, atomic_write_json
+from msn_core.durable import atomic_write_json
 
 CONFIG = ROOT / "configs" / "fmnist_vit_tiny.yaml"  # the small-image recipe, as `make demo` trains it
-BUDGET = "optim.budget_minutes"
+BUDGET, SEED = "optim.budget_minutes", "run.seed"  # pretraining config keys (training/config.py)
 SHOTS = ("1", "2", "5", "1percent")
 
 
@@ -112,41 +103,13 @@ def collect(work: Path, config: Path, budgets: list[float], seed: int) -> dict:
             "evals": evals}
 
 
-def plot(result: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ev, budgets = result["evals"], result["budgets"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (setting, label), colour in zip(SETTINGS[:3], ("tab:blue", "tab:orange", "tab:green")):
-        ax.plot(budgets, [mean_accuracy(ev, f"{budget_bundle(b)}-lowshot", setting) for b in budgets], "o-",
-                color=colour, label=f"MSN, {label}")
-        pixels = mean_accuracy(ev, "pixels-lowshot", setting)
-        if pixels is not None:
-            ax.axhline(pixels, color=colour, linestyle="--", linewidth=1, label=f"raw pixels, {label}")
-    knn = [ev.get(f"{budget_bundle(b)}-knn", {}).get("results", [{}])[0].get("top1") for b in budgets]
-    ax.plot(budgets, knn, "s-", color="tab:purple", label="MSN, kNN-20 (60k)")
-    pixels_knn = ev.get("pixels-knn", {}).get("results", [{}])[0].get("top1")
-    if pixels_knn is not None:
-        ax.axhline(pixels_knn, color="tab:purple", linestyle="--", linewidth=1, label="raw pixels, kNN-20")
-    ax.set_xlabel("pretraining budget (minutes of the training loop)")
-    ax.set_ylabel("top-1 (%), low-shot: mean of 3 splits")
-    ax.set_title(f"Fashion-MNIST, {result['config']}, one run per budget\n{result['machine']}", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(png, lambda f: fig.savefig(f, format="png", dpi=120, bbox_inches="tight"))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=float, nargs="+", default=[10, 30, 60], help="minutes, one run each")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, help="runs, bundles, evaluations (default: runs/budget/seed<S>)")
-    parser.add_argument("--docs", type=Path, default=DOCS)
+    parser.add_argument("--docs", type=Path, default=DOCS, help="where budget_curve.json goes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = parser.parse_args(argv)
     budgets = sorted(set(args.budgets))
@@ -159,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     run_steps(steps, work)
     result = collect(work, config, budgets, args.seed)
     atomic_write_json(docs / BUDGET_JSON, result)
-    plot(result, docs / BUDGET_PNG)
-    atomic_write(docs / "results.md", render(docs).encode())
-    print(f"wrote {docs / BUDGET_JSON}, {docs / BUDGET_PNG} and {docs / 'results.md'}")
+    print(f"wrote {docs / BUDGET_JSON}; docs and plot: python benchmarks/render_docs.py --plots")
     return 0
 
 

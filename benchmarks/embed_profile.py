@@ -29,10 +29,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-import http_load
-from serve_bench import machine, save, start_server, test_images
+from benchmarks import http_load
+from benchmarks.common import machine, save_json
+from benchmarks.serve_harness import start_server, test_images
 
 CATEGORIES = (  # (label, substrings of "file:function" that belong to it), first match wins
     ("HTTP protocol (uvicorn h11)", ("h11", "uvicorn/protocols")),
@@ -101,9 +101,9 @@ def per_request_costs(bundle: Path, reps: int = 300) -> dict:
     from starlette.formparsers import MultiPartParser
 
     from msn_core.bundle import load_bundle_info
+    from msn_serve.embedding.preprocess import preprocess_bytes
     from msn_serve.http.embed_response import NPY, RAW, embeddings_response, json_response
     from msn_serve.http.jsonio import StrictJSONResponse
-    from msn_serve.embedding.preprocess import preprocess_bytes
     info = load_bundle_info(bundle)
     image = test_images(1)[0]
     raw = http_load.embed_request("h", image)
@@ -159,7 +159,7 @@ def main() -> int:
                                 for accept in (None, "application/octet-stream")]
     for r in result["event_loop"]:
         print(r["accept"], json.dumps({k: r[k] for k in ("loop_cpu_s", "share")}), flush=True)
-    save(a.out, result)
+    save_json(a.out, result)
     return 0
 
 

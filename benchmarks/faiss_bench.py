@@ -31,6 +31,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import cached_features, save_json
+
 TUNE_Q, EVAL_Q, K = 1000, 1000, 10
 
 
@@ -48,17 +50,10 @@ def fmnist(bundle: Path, n: int, queries: int, seed: int = 0) -> tuple[np.ndarra
     import faiss
 
     from msn_core.bundle import load_bundle_info
-    from training.data import build_dataset
-    from training.evaluation.features import OnnxEmbedder, extract_features
 
     info = load_bundle_info(bundle)
-    emb = OnnxEmbedder(bundle)
-    pre = info.preprocessing
-    train = build_dataset("fashion-mnist", split="train", load_size=pre.resize)
-    test = build_dataset("fashion-mnist", split="test", load_size=pre.resize)
-    real = extract_features(train, emb, preprocessing=pre, batch_size=256, progress=False).features
-    q = extract_features(test, emb, preprocessing=pre, indices=np.arange(queries), batch_size=256,
-                         progress=False).features
+    real = cached_features(bundle, "train").features
+    q = cached_features(bundle, "test", indices=np.arange(queries)).features
     real = real / np.linalg.norm(real, axis=1, keepdims=True)
     sample = real[np.random.default_rng(seed).permutation(len(real))[:2000]]
     dist, _ = faiss.knn(sample, real, 2)  # squared L2; [0] is the point itself
@@ -139,12 +134,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--note", default="", help="how the machine was shared (recorded in the JSON)")
     a = ap.parse_args()
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from serve_bench import machine, save
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     results = run(a.bundle, a.n, a.corpora, a.kinds)
     if a.out:
-        save(a.out, {"machine": machine(), "note": a.note, "started": started, "bundle": str(a.bundle),
+        save_json(a.out, {"note": a.note, "started": started, "bundle": str(a.bundle),
                      "kinds": a.kinds, "faiss_tuned": results})
     return 0
 

@@ -22,6 +22,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import machine
+
 
 def run(bundle: Path, *, threads: int, batch: int = 32, guard_images: int = 10_000, seconds: float = 20.0) -> dict:
     from msn_core.bundle import INT8_METHODS, load_bundle_info
@@ -73,8 +75,8 @@ def main() -> int:
     ap.add_argument("--guard-images", type=int, default=10_000)
     ap.add_argument("--seconds", type=float, default=20.0)
     a = ap.parse_args()
-    print(json.dumps(run(a.bundle, threads=a.threads, batch=a.batch, guard_images=a.guard_images,
-                         seconds=a.seconds), indent=1))
+    print(json.dumps({"machine": machine(), **run(a.bundle, threads=a.threads, batch=a.batch,
+                                                  guard_images=a.guard_images, seconds=a.seconds)}, indent=1))
     return 0
 
 

@@ -13,7 +13,8 @@ classifier fitted so far) afterwards. Selection and suggestion run the service's
 (:mod:`msn_serve.classifiers.labelloop`, on a seeded ``select_candidates`` sample of the pool, as the endpoints do); fits are
 the service's low-shot classifier (:mod:`msn_core.lowshot`, default lambda). The same loop on raw pixels is the
 control. ``--parts selectors`` compares every cold-start selector; ``--parts latency`` times the four endpoints
-over HTTP against a real ``msn-serve`` holding a 100k-item index. Writes ``benchmarks/results/label_efficiency.json``, ``docs/label_efficiency.png`` and ``docs/results.md``.
+over HTTP against a real ``msn-serve`` holding a 100k-item index. Writes ``benchmarks/results/label_efficiency.json``;
+``python benchmarks/render_docs.py --plots`` turns it into ``docs/label_efficiency.png`` and a section of ``docs/results.md``.
 """
 from __future__ import annotations
 
@@ -30,32 +31,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.label_report import JSON_PATH, PLOT_PATH, plot, render_into_results
-from benchmarks.results_report import machine
+from benchmarks.common import FEATURE_CACHE, machine, save_json, train_test_features
+from benchmarks.protocol import LABEL_JSON
 from msn_core.lowshot import DEFAULT_LAMBD, fit_logistic
 from msn_serve.classifiers import labelloop
 from msn_serve.config import Settings
 
 STRATEGIES = ("random", "select", "select+suggest")
 PARTS = ("accuracy", "selectors", "coverage", "latency")
-
-
-def features(bundle: Path, backend: str, cache: Path) -> dict[str, np.ndarray]:
-    """Train/test features (cached by bundle hash like ``msn-eval``) and labels."""
-    from msn_core.bundle import load_bundle_info
-    from training.data import build_dataset
-    from training.evaluation.features import bundle_fingerprint, extract_features, load_embedder
-
-    pre = load_bundle_info(bundle).preprocessing.to_dict()
-    embedder = load_embedder(bundle, backend, threads=1)
-    tag = "pixels" if backend == "pixels" else bundle_fingerprint(bundle)
-    out = {}
-    for split in ("train", "test"):
-        data = build_dataset("fashion-mnist", split=split, load_size=int(pre["resize"]))
-        f = extract_features(data, embedder, preprocessing=pre, batch_size=256, cache_dir=cache, cache_tag=tag,
-                             progress=False, desc=split)
-        out[f"x_{split}"], out[f"y_{split}"] = f.features.astype(np.float32), np.asarray(f.labels)
-    return out
 
 
 class Loop:
@@ -109,7 +92,7 @@ def summarise(runs: dict[int, dict[int, float]], budgets: list[int]) -> dict[str
 def accuracy_study(args: argparse.Namespace) -> dict:
     results: dict = {}
     for backend in args.features:
-        data = features(args.bundle, backend, args.cache_dir)
+        data = train_test_features(args.bundle, backend, args.cache_dir)
         loop = Loop(data, args.candidates, args.selector, args.suggester)
         results[backend] = {}
         for strategy in args.strategies:
@@ -125,7 +108,7 @@ def selector_study(args: argparse.Namespace) -> dict:
     """Every cold-start selector (and uniform random) at the first two rounds, to choose the default."""
     out: dict = {}
     for backend in args.features:
-        data = features(args.bundle, backend, args.cache_dir)
+        data = train_test_features(args.bundle, backend, args.cache_dir)
         out[backend] = {}
         for selector in labelloop.SELECT_STRATEGIES:
             loop = Loop(data, args.candidates, selector, args.suggester)
@@ -141,7 +124,7 @@ def coverage_study(args: argparse.Namespace) -> dict:
     """Classes among the first round's labels (what a uniform draw misses and the selector finds)."""
     out: dict = {}
     for backend in args.features:
-        data = features(args.bundle, backend, args.cache_dir)
+        data = train_test_features(args.bundle, backend, args.cache_dir)
         loop = Loop(data, args.candidates, args.selector, args.suggester)
         y = data["y_train"]
         out[backend] = {s: [len(set(y[loop.pick(s, [], args.round, seed, 0, None)].tolist()))
@@ -184,15 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suggester", default="margin", choices=labelloop.SUGGEST_STRATEGIES)
     p.add_argument("--features", nargs="+", default=["onnx", "pixels"], choices=["onnx", "pixels"])
     p.add_argument("--candidates", type=int, default=Settings.model_fields["select_candidates"].default)
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "msn-eval")
+    p.add_argument("--cache-dir", type=Path, default=FEATURE_CACHE)
     p.add_argument("--parts", nargs="+", default=["accuracy", "selectors", "coverage"], choices=PARTS,
                    help="accuracy: the strategies table; selectors: every cold-start selector at 10 and 20 labels; "
                         "coverage: classes among the first round's labels; "
                         "latency: the endpoints at a --latency-items index (run it on a quiet machine). Parts not "
                         "run keep their figures from --out")
     p.add_argument("--latency-items", type=int, default=100_000)
-    p.add_argument("--out", type=Path, default=JSON_PATH)
-    p.add_argument("--no-docs", action="store_true", help="do not write the plot and docs/results.md")
+    p.add_argument("--out", type=Path, default=LABEL_JSON)
     args = p.parse_args(argv)
     if any(b % args.round for b in args.budgets):
         p.error("every budget must be a multiple of --round")
@@ -211,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update({"machine": machine(), "cores_used": sorted(os.sched_getaffinity(0)), "bundle": shown,
                    "bundle_model_id": load_bundle_info(args.bundle).model_id})
     def save() -> None:  # after each part, so a later part's failure loses nothing
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        save_json(args.out, report)
 
     if "accuracy" in args.parts:
         report.update({"seeds": args.seeds, "budgets": args.budgets, "round": args.round,
@@ -234,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if "latency" in report:
         print(json.dumps(report["latency"], indent=1))
     save()
-    if not args.no_docs and "accuracy" in report:
-        plot(report, ROOT / PLOT_PATH)
-        render_into_results(ROOT / "docs")
+    print("docs: python benchmarks/render_docs.py --plots")
     return 0
 
 

@@ -33,9 +33,9 @@ def _free_port() -> int:
 
 
 def _vectors(bundle: Path, items: int) -> np.ndarray:
-    from benchmarks.label_efficiency import features
+    from benchmarks.common import train_test_features
 
-    data = features(bundle, "onnx", Path.home() / ".cache" / "msn-eval")
+    data = train_test_features(bundle, "onnx")
     base = np.concatenate([data["x_train"], data["x_test"]])
     reps = -(-items // len(base))
     rng = np.random.default_rng(0)

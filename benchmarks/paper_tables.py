@@ -1,4 +1,4 @@
-"""Regenerate ``docs/results.md``: the MSN paper's experiments on Fashion-MNIST, and a t-SNE plot.
+"""The MSN paper's experiments on Fashion-MNIST, measured into ``docs/results/<profile>.json``, and a t-SNE plot.
 
     python benchmarks/paper_tables.py --dry-run              # print the plan, run nothing
     python benchmarks/paper_tables.py                        # CPU schedule (< 1 h on 2 cores)
@@ -9,15 +9,14 @@ were measured with, before the recipe search changed the demo) with the same bud
 by the ``--set`` overrides below; each run is exported with ``msn-export`` and evaluated with ``msn-eval``. Steps whose
 outputs exist are skipped (``--force`` redoes them), pretraining is always resumable, and every evaluation is kept as
 JSON, so an interrupted run continues where it stopped. Results of a profile are stored in
-``docs/results/<profile>.json``; the Markdown is rendered from all stored profiles. A hand-written discussion in
-``docs/results-notes.md`` is included verbatim when present.
+``docs/results/<profile>.json``; ``python benchmarks/render_docs.py`` renders ``docs/results.md`` from all stored
+profiles (a hand-written discussion in ``docs/results-notes.md`` is included verbatim when present).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import time
@@ -28,19 +27,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results_report import (
-    ABLATION_RATIOS,
-    KNN_TRAIN,
-    ROBUSTNESS_RATIOS,
-    machine,
-    ratio_run,
-    render,
-    tsne_name,
+from benchmarks.common import DOCS, cached_features, machine
+from benchmarks.protocol import ABLATION_RATIOS, KNN_TRAIN, ROBUSTNESS_RATIOS, ratio_run, tsne_name
+from benchmarks.steps import (
+    Step,
+    eval_step,
+    export_random_init,
+    print_plan,
+    run_steps,
+    set_args,
+    subprocess_action,
 )
-from msn_core.durable import atomic_write, atomic_write_json
+from msn_core.durable import atomic_write_json
 
 CONFIG = ROOT / "benchmarks" / "configs" / "recipe_search_base.yaml"  # patch 4 + focal views: the ablations need both
-DOCS = ROOT / "docs"
 
 # Pretraining config keys this script sets: owned by training/config.py, named only here.
 RATIO, FOCAL, SHARE_VIEW, SEED, MAX_STEPS, EPOCHS = (
@@ -78,45 +78,10 @@ def pretraining_runs(default_ratio: float) -> dict[str, Run]:
 # ----------------------------------------------------------------------------------------------------- plan
 
 
-@dataclass
-class Step:
-    name: str
-    command: list[str]  # what it runs (for a Python step, the equivalent command line)
-    outputs: list[Path]
-    action: Callable[[], None]
-
-    def done(self) -> bool:
-        return bool(self.outputs) and all(p.exists() for p in self.outputs)
-
-
 def torchrun_command(nproc: int) -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     base = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     return [*base, "--standalone", f"--nproc_per_node={nproc}"]
-
-
-def subprocess_action(command: list[str]) -> Callable[[], None]:
-    return lambda: subprocess.run(command, cwd=ROOT, check=True)
-
-
-def set_args(overrides: dict) -> list[str]:
-    return [arg for k, v in overrides.items() for arg in ("--set", f"{k}={json.dumps(v)}")]
-
-
-def eval_step(work: Path, bundle: str, command: str, args: list[str], tag: str | None = None,
-               pixels_source: str = "msn") -> Step:
-    """``msn-eval COMMAND`` on ``work/bundles/BUNDLE``; ``pixels`` reads the preprocessing of ``pixels_source``."""
-    out = work / "evals" / f"{bundle}-{tag or command}.json"
-    source = pixels_source if bundle == "pixels" else bundle
-    argv = [command, "--bundle", str(work / "bundles" / source), "--data", "fashion-mnist",
-            "--cache-dir", str(work / "feature-cache"), "--json", str(out), *args]
-
-    def run() -> None:
-        from training.evaluation.cli import main
-
-        main(argv)
-
-    return Step(f"eval {bundle} {tag or command}", ["msn-eval", *argv], [out], run)
 
 
 def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[Step]:
@@ -168,20 +133,6 @@ def pretrain_action(cmd: list[str], out: Path) -> Callable[[], None]:
     return run
 
 
-def export_random_init(reference: Path, out: Path, seed: int) -> None:
-    """A randomly initialised trunk of the same architecture and preprocessing as the MSN bundle."""
-    import torch
-
-    from msn_core.bundle import load_bundle_info
-    from training.bundle.export import export_bundle
-    from training.model.vit import VisionTransformer
-
-    info = load_bundle_info(reference)
-    torch.manual_seed(seed)
-    export_bundle(VisionTransformer(**info.architecture.encoder_kwargs()), out, arch=info.architecture.name,
-                  preprocessing=info.preprocessing.to_dict(), source_kind="random-init")
-
-
 def plot_tsne(work: Path, png: Path) -> None:
     import matplotlib
 
@@ -190,17 +141,12 @@ def plot_tsne(work: Path, png: Path) -> None:
     import numpy as np
     from sklearn.manifold import TSNE
 
-    from msn_core.bundle import load_bundle_info
     from training.data import FashionMNIST
-    from training.evaluation.features import bundle_fingerprint, extract_features, load_embedder
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for ax, name in zip(axes, ("msn", "random_init")):
         bundle = work / "bundles" / name
-        pre = load_bundle_info(bundle).preprocessing
-        test = FashionMNIST(split="test", load_size=pre.resize)
-        feats = extract_features(test, load_embedder(bundle), preprocessing=pre, indices=np.arange(TSNE_POINTS),
-                                 cache_dir=work / "feature-cache", cache_tag=bundle_fingerprint(bundle))
+        feats = cached_features(bundle, "test", cache_dir=work / "feature-cache", indices=np.arange(TSNE_POINTS))
         # Duplicate images give duplicate rows, which break sklearn's neighbour search: keep one of each.
         _, unique = np.unique(feats.features, axis=0, return_index=True)
         unique = np.sort(unique)
@@ -225,28 +171,6 @@ def collect(work: Path, profile: str, seconds: float) -> dict:
             "default_ratio": default_ratio, "lambd": DEFAULT_LAMBD, "runs": runs, "evals": evals}
 
 
-def print_plan(steps: list[Step], force: bool = False) -> None:
-    for i, step in enumerate(steps, 1):
-        state = "done" if step.done() and not force else "todo"
-        print(f"{i:2d}. [{state}] {step.name}\n      {shlex.join(step.command)}")
-
-
-def run_steps(steps: list[Step], work: Path, force: bool = False) -> dict[str, float]:
-    """Run the steps not done yet; return every step's duration in seconds (kept in ``work/timings.json``)."""
-    timings_path = work / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
-    for i, step in enumerate(steps, 1):
-        if step.done() and not force:
-            continue
-        print(f"[{i}/{len(steps)}] {step.name}", flush=True)
-        start = time.perf_counter()
-        step.action()
-        timings[step.name] = time.perf_counter() - start
-        work.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(timings_path, timings)
-    return timings
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
@@ -254,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="processes per pretraining run (torchrun)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--force", action="store_true", help="redo steps whose outputs exist")
-    parser.add_argument("--render-only", action="store_true", help="rebuild docs/results.md from stored JSON")
-    parser.add_argument("--docs", type=Path, default=DOCS, help="where results.md, results/ and the plots go")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="where results/<profile>.json and the t-SNE plot go")
     parser.add_argument("--plot-tsne", type=Path, metavar="PNG", help=argparse.SUPPRESS)  # the plan's t-SNE step
     args = parser.parse_args(argv)
     docs = args.docs.resolve()
@@ -263,19 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_tsne:
         plot_tsne(work, args.plot_tsne)
         return 0
-    if args.render_only:
-        atomic_write(docs / "results.md", lambda f: f.write(render(docs).encode()))
-        return 0
     steps = build_plan(work, args.profile, args.nproc, docs)
     if args.dry_run:
         print_plan(steps, args.force)
-        print(f"then: {docs / 'results' / (args.profile + '.json')} and {docs / 'results.md'}")
+        print(f"then: {docs / 'results' / (args.profile + '.json')}; docs: python benchmarks/render_docs.py")
         return 0
     timings = run_steps(steps, work, args.force)
     result = collect(work, args.profile, sum(timings.values()))
     atomic_write_json(docs / "results" / f"{args.profile}.json", result)
-    atomic_write(docs / "results.md", lambda f: f.write(render(docs).encode()))
-    print(f"wrote {docs / 'results.md'}; all steps took {result['seconds'] / 60:.1f} min")
+    print(f"wrote {docs / 'results' / (args.profile + '.json')}; all steps took {result['seconds'] / 60:.1f} min; "
+          "docs: python benchmarks/render_docs.py")
     return 0
 
 

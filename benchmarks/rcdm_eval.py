@@ -15,13 +15,13 @@ conditioned on the MSN embedding of the masked image, and the same from a *basel
   ``cos_unrelated`` is the mean cosine of MSN embeddings of unrelated test images, for scale.
 
 Missing decoders are trained first (``--train-steps``, config ``--config``) into ``OUT/decoders``. Writes
-``rcdm_eval.json`` and ``rcdm_samples.png`` (rows: original, masked, MSN samples, baseline samples) to ``--out-dir``.
+``rcdm_eval.json`` and ``rcdm_samples.png`` (rows: original, masked, MSN samples, baseline samples) to ``--out-dir``;
+``python benchmarks/render_docs.py`` puts the table into ``docs/results.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 import torch
 
-from benchmarks.results_report import machine, render
-from msn_core.durable import atomic_write, atomic_write_json
+from benchmarks.common import machine
+from benchmarks.protocol import RCDM_JSON
+from msn_core.durable import atomic_write_json
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
 from training.masking import random_keep_idx
@@ -192,19 +193,17 @@ def evaluate(args: argparse.Namespace) -> dict:
         "grid": {"file": grid.name, "rows": f"{args.grid_images} images x {len(RATIOS)} ratios",
                  "columns": f"original, masked, {args.samples} MSN samples, {args.samples} random-encoder samples"},
         "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,
-        "machine": platform.machine(), "machine_name": machine(), "threads": torch.get_num_threads(),
+        "machine": machine(), "threads": torch.get_num_threads(),
     })
-    atomic_write_json(args.out_dir / "rcdm_eval.json", results)
-    if not args.quick:  # docs/results.md carries the table
-        atomic_write(args.out_dir / "results.md", lambda f: f.write(render(args.out_dir).encode()))
+    atomic_write_json(args.out_dir / RCDM_JSON, results)
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results = evaluate(args)
-    print(f"wrote {args.out_dir / 'rcdm_eval.json'} and {args.out_dir / results['grid']['file']} "
-          f"({results['seconds']} s)")
+    print(f"wrote {args.out_dir / RCDM_JSON} and {args.out_dir / results['grid']['file']} "
+          f"({results['seconds']} s); docs: python benchmarks/render_docs.py")
 
 
 if __name__ == "__main__":

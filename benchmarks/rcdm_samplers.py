@@ -21,9 +21,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np
 import torch
 
+from benchmarks.common import machine, save_json
 from benchmarks.rcdm_eval import balanced_indices, images_of
-from benchmarks.results_report import machine
-from msn_core.durable import atomic_write_json
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
 from visualizer.pipeline import RCDMPipeline
@@ -64,10 +63,9 @@ def main(argv: list[str] | None = None) -> None:
                      "roughness": float((grey[:, 1:] - grey[:, :-1]).abs().mean()), "seconds": round(seconds, 1)})
         print(f"{sampler} {steps:>4} steps: consistency {rows[-1]['consistent']:.3f}, "
               f"roughness {rows[-1]['roughness']:.1f}, {seconds:.0f} s", flush=True)
-    atomic_write_json(args.out, {"bundle": pipe.encoder.model_id, "decoder": str(args.decoder),
+    save_json(args.out, {"bundle": pipe.encoder.model_id, "decoder": str(args.decoder),
                                  "decoder_steps": pipe.step, "images": len(idx), "samples_per_image": args.samples,
                                  "machine": machine(), "threads": torch.get_num_threads(), "results": rows})
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,80 +27,20 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = None
-    try:
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    gpu = None
-    if shutil.which("nvidia-smi"):
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True, check=False)
-        gpu = r.stdout.strip() or None
-    import faiss
-    import onnxruntime as ort
-    return {"cpu": cpu, "cores_visible": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-            "memory_bytes": mem, "gpu": gpu, "python": platform.python_version(), "onnxruntime": ort.__version__,
-            "ort_providers": ort.get_available_providers(), "faiss": faiss.__version__, "platform": platform.platform()}
-
-
-def save(path: Path, result: dict) -> None:
-    """Write a benchmark's JSON (creating its directory) and say where."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
-
-def tiny_bundle(out: Path) -> Path:
-    import torch
-
-    from training.bundle.export import export_bundle
-    from training.model.vit import VisionTransformer
-    torch.manual_seed(0)
-    enc = VisionTransformer(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4)
-    export_bundle(enc, out, arch="vit_tiny", parity_check=False,
-                  preprocessing={"resize": 36, "crop": 32, "mean": [0.5] * 3, "std": [0.5] * 3, "channels": 3,
-                                 "interpolation": "bicubic"})
-    return out
-
-
-def test_images(n: int, seed: int = 0) -> list[bytes]:
-    import io
-
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        arr = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(arr).resize((320, 240)).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
+from benchmarks import faiss_bench, http_load, int8_bench
+from benchmarks.common import machine, save_json
+from benchmarks.serve_harness import pct, start_server, test_images, tiny_bundle
 
 
 # ---- (1) ORT vs torch eager -------------------------------------------------------------------------------------------
 def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
     import torch
 
-    from msn_core.bundle import FEATURES, load_bundle_info
+    from msn_core.bundle import load_bundle_info
     from msn_serve.embedding.engine import Engine
-    from training.bundle.export import load_encoder
+    from training.model.load import load_encoder
+    from training.model.readout import feature_spec, read_feature
     info = load_bundle_info(bundle)
     eng = Engine(info, intra_op_threads=threads)
     enc, _ = load_encoder(bundle)
@@ -113,9 +51,11 @@ def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
     keep = np.tile(np.arange(info.num_patches, dtype=np.int64), (batch, 1))
     tpx, tkeep, tmask = torch.from_numpy(px), torch.from_numpy(keep), torch.ones(keep.shape, dtype=torch.bool)
 
-    def run_torch():  # with the key-padding mask, as the exported graph runs
+    spec = feature_spec(enc, info.feature)
+
+    def run_torch():  # the bundle's feature, with the key-padding mask, as the exported graph runs
         with torch.inference_mode():
-            return enc(tpx, tkeep, tmask)
+            return read_feature(enc, spec, tpx, tkeep, tmask)
 
     def timeit(fn) -> list[float]:
         fn()
@@ -129,47 +69,17 @@ def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
 
     t_ort = timeit(lambda: eng.run(px, keep))
     t_torch = timeit(run_torch)
-    out_t = run_torch()[FEATURES.index(info.feature)].numpy()  # the same feature the ONNX graph returns
+    out_t = run_torch().numpy()
     diff = float(np.abs(eng.run(px, keep) - out_t).max())
     return {"batch": batch, "threads": threads, "tokens": info.num_patches, "ort_ms_p50": 1e3 * pct(t_ort, 50),
             "torch_eager_ms_p50": 1e3 * pct(t_torch, 50), "speedup_ort_over_torch": pct(t_torch, 50) / pct(t_ort, 50),
             "max_abs_diff": diff}
 
 
-# ---- (2)+(3) HTTP ---------------------------------------------------------------------------------------------------------
-def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO,
-                 launcher: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    """``msn-serve`` from the source tree ``src`` (this one by default) on a free port, once ready; ``launcher``
-    replaces ``-m msn_serve`` (e.g. to run it under cProfile)."""
-    import socket
-
-    import httpx
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "msn_serve"]), "--bundle", str(bundle), "--data-dir", str(data),
-                             "--port", str(port), "--log-level", "warning", *args], cwd=src,
-                            env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode())
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("server did not become ready")
-
-
 def load(url: str, images: list[bytes], concurrency: int, total: int, masks: list[str | None], procs: int,
          *, accept: str | None = None, server_pid: int | None = None) -> dict:
     """``concurrency`` single-image clients (:mod:`http_load`: pre-built requests, keep-alive sockets) over
     ``procs`` processes, released together; with ``server_pid``, the server's CPU seconds during the run."""
-    import http_load
     port = int(url.rsplit(":", 1)[1])
     reqs = [http_load.embed_request("127.0.0.1", images[i % len(images)], mask=masks[i % len(masks)], accept=accept)
             for i in range(max(len(images), len(masks)))]
@@ -239,7 +149,6 @@ def main() -> int:
             result["ort_vs_torch"] = ort_vs_torch(bundle, a.batch, a.threads, reps)
             print("ort vs torch:", json.dumps(result["ort_vs_torch"]), flush=True)
         if "int8" in a.only:
-            import int8_bench
             result["int8"] = int8_bench.run(bundle, threads=a.threads, batch=a.batch,
                                             guard_images=a.guard_images or (256 if a.quick else 10_000),
                                             seconds=2.0 if a.quick else 20.0)
@@ -247,12 +156,11 @@ def main() -> int:
         if "http" in a.only:
             http_section(result, bundle, tmp, a, per_client)
         if "faiss" in a.only:
-            import faiss_bench
             n = a.faiss_n or (20_000 if a.quick else 1_000_000)
             result["faiss_tuned"] = faiss_bench.run(None if a.quick else bundle, n,
                                                     ["clustered"] if a.quick else ["clustered", "fmnist"],
                                                     a.faiss_kinds)
-        save(a.out, result)
+        save_json(a.out, result)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO))
 
-from serve_bench import machine, pct, save, start_server, tiny_bundle
+from benchmarks.common import machine, save_json
+from benchmarks.serve_harness import pct, start_server, tiny_bundle
 
 DIM = 64
 
@@ -147,7 +148,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-    save(a.out, out)
+    save_json(a.out, out)
     return 0
 
 

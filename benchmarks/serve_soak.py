@@ -28,9 +28,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from serve_bench import machine, pct, save, start_server, test_images, tiny_bundle
+from benchmarks.common import machine, save_json
+from benchmarks.serve_harness import pct, start_server, test_images, tiny_bundle
 
 KINDS = ("embed", "search", "add", "predict")
 
@@ -215,7 +215,7 @@ def main() -> int:
         print("soak:", json.dumps({k: v for k, v in out["soak"].items() if k != "rss_series_kb"}), flush=True)
         out["overload"] = overload(bundle, tmp, a.clients, over, a.client_procs, a.threads)
         print("overload:", json.dumps(out["overload"]), flush=True)
-    save(a.out, out)
+    save_json(a.out, out)
     return 0
 
 

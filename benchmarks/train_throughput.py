@@ -4,25 +4,29 @@ Each row runs the real trainer (`training/pretrain.py`, synthetic data, `run.max
 images/s from its metrics.jsonl (median of the logged windows after warm-up) and the peak memory (CUDA: max
 allocated; CPU: max resident set). The FLOPs of one step are counted in this process on the same config
 (`torch.utils.flop_counter`: matrix multiplies, convolutions and attention, forward and backward, the usual MFU
-convention), and the ceiling is the best fp32 (CPU) or bf16 (CUDA) `torch.mm` rate measured in the same run with
-the same thread count. MFU = FLOPs per step x steps per second / ceiling.
+convention), and the ceiling is the best `torch.mm` rate of the row's precision (fp32, or bf16 where the row trains
+under bf16 autocast) measured in the same run with the same thread count. MFU = FLOPs per step x steps per second /
+ceiling. `--precisions fp32 bf16` puts both side by side (default: both where the CPU or GPU has native bf16, fp32
+alone elsewhere); `--batch-sizes` adds rows at other per-process batches (the learning rate does not change cost).
 
 Each masking ratio is measured for the full MSN step (masked anchor + focal views + target) and the anchor branch
 alone (no focal views), where the saving from dropped tokens shows undiluted.
 
     python benchmarks/train_throughput.py --preset cpu-small            # the masking table of docs/benchmarks.md
     python benchmarks/train_throughput.py --preset cpu-recipe --ratios 0.3   # the small-image recipe's step
+    python benchmarks/train_throughput.py --preset cpu-recipe --ratios 0.3 --variants msn --batch-sizes 64 256
     python benchmarks/train_throughput.py --preset gpu-s16 --preset gpu-l7   # on a GPU machine
 
-Writes JSON (default benchmarks/results/train_throughput-<preset>.json) and prints a markdown table.
+Writes JSON (default benchmarks/results/train_throughput-<preset>.json) and prints each row; the table of
+docs/benchmarks.md is rendered from it by ``python benchmarks/render_docs.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +35,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import machine, save_json
 
 PRESETS: dict[str, list[str]] = {
     # ViT-tiny/4 on 32 px images (64 patches, 12 blocks): the transformer dominates the step even on 2 CPU cores.
@@ -50,25 +57,6 @@ PRESETS: dict[str, list[str]] = {
 }
 COMMON = ["data.source=synthetic", "data.synthetic_size=4096", "optim.epochs=100", "run.progress_bar=false",
           "run.checkpoint_every_steps=100000"]
-
-
-def machine() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor()
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["threads"] = torch.get_num_threads()
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return info
 
 
 def split_preset(items: list[str]) -> tuple[str | None, list[str]]:
@@ -102,24 +90,26 @@ def step_flops(config: str | None, overrides: list[str]) -> tuple[float, int]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from training import distributed as dist
-    from training.run.build import build_run, build_schedules, train_step
     from training.config import load_config
+    from training.run.build import build_run
+    from training.run.step import start_hyperparameters, train_step
 
     cfg = load_config(REPO / config if config else None, COMMON + overrides)
     run = build_run(cfg, dist.init_distributed(cfg.run.device))
-    schedules = build_schedules(cfg, 1000, run.steps_per_epoch)
+    hyper = start_hyperparameters(cfg)  # the step's values do not change its cost
     images = next(iter(run.loader))[0]
-    train_step(run, schedules, 0, images)  # warm-up: lazy initialisation must not be counted
+    train_step(run, hyper, images)  # warm-up: lazy initialisation must not be counted
     with FlopCounterMode(display=False) as counter:
-        train_step(run, schedules, 1, images)
+        train_step(run, hyper, images)
     return float(counter.get_total_flops()), run.global_batch
 
 
-def matmul_ceiling(device: str, sizes: tuple[int, ...] = (512, 1024, 2048), seconds: float = 1.0) -> float:
-    """Best ``torch.mm`` rate in FLOP/s (fp32 on CPU, bf16 on CUDA) over square sizes, with this process's threads."""
+def matmul_ceiling(device: str, precision: str, sizes: tuple[int, ...] = (512, 1024, 2048),
+                   seconds: float = 1.0) -> float:
+    """Best ``torch.mm`` rate in FLOP/s in ``precision`` over square sizes, with this process's threads."""
     import torch
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     best = 0.0
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -135,11 +125,23 @@ def matmul_ceiling(device: str, sizes: tuple[int, ...] = (512, 1024, 2048), seco
     return best
 
 
+def default_precisions(device: str) -> list[str]:
+    """fp32 and bf16 where bf16 is native (the comparison that matters), fp32 alone where it would be emulated."""
+    import torch
+
+    from msn_core.hardware import cpu_info
+
+    native = torch.cuda.is_bf16_supported() if device == "cuda" else cpu_info().bf16_native
+    return ["fp32", "bf16"] if native else ["fp32"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable; default cpu-small")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7])
     parser.add_argument("--variants", nargs="+", choices=("msn", "anchor-only"), default=["msn", "anchor-only"])
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), help="default: see above")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="per-process batches (default: the preset's)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--note", default="", help="recorded with the results, e.g. what else ran on the machine")
     args = parser.parse_args(argv)
@@ -147,42 +149,31 @@ def main(argv: list[str] | None = None) -> None:
     for preset in args.preset or ["cpu-small"]:
         config, overrides = split_preset(PRESETS[preset])
         device = "cuda" if "run.device=cuda" in overrides else "cpu"
-        ceiling = matmul_ceiling(device)
+        precisions = args.precisions or default_precisions(device)
+        ceilings = {p: matmul_ceiling(device, p) for p in precisions}
+        batches = args.batch_sizes or [None]
         rows = []
         for variant in args.variants:
             extra = ["mask.num_focal=0"] if variant == "anchor-only" else []
-            for ratio in args.ratios:
-                row_overrides = overrides + extra + [f"mask.ratio={ratio}"]
+            for ratio, batch_size, precision in itertools.product(args.ratios, batches, precisions):
+                row_overrides = overrides + extra + [f"mask.ratio={ratio}", f"run.precision={precision}"]
+                row_overrides += [f"data.batch_size={batch_size}"] if batch_size else []
                 with tempfile.TemporaryDirectory() as tmp:
                     row = run_once(config, row_overrides, Path(tmp))
                 flops, batch = step_flops(config, row_overrides)
                 achieved = flops / batch * row["images_per_sec"]
-                row.update(variant=variant, mask_ratio=ratio, gflop_per_image=flops / batch / 1e9,
-                           achieved_gflops=achieved / 1e9, ceiling_gflops=ceiling / 1e9, mfu=achieved / ceiling)
+                ceiling = ceilings[precision]
+                row.update(variant=variant, mask_ratio=ratio, precision=precision, batch=batch,
+                           gflop_per_image=flops / batch / 1e9, achieved_gflops=achieved / 1e9,
+                           ceiling_gflops=ceiling / 1e9, mfu=achieved / ceiling)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         report = {"benchmark": "train_throughput", "preset": preset, "config": config, "overrides": overrides,
-                  "machine": machine(), "note": args.note, "rows": rows}
-        out = args.out_dir / f"train_throughput-{preset}.json"
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(markdown_table(report))
-        print(f"wrote {out}")
-
-
-def markdown_table(report: dict) -> str:
-    lines = ["| variant | mask ratio | images/s | speed-up | GFLOP/image | GFLOP/s | MFU | peak memory (GB) |",
-             "|---|---|---|---|---|---|---|---|"]
-    base = {r["variant"]: r["images_per_sec"] for r in report["rows"] if r["mask_ratio"] == 0.0}
-    for r in report["rows"]:
-        speedup = f"×{r['images_per_sec'] / base[r['variant']]:.2f}" if r["variant"] in base else "n/a"
-        memory = r.get("peak_cuda_gb", r["peak_rss_gb"])
-        flops = (f"{r['gflop_per_image']:.2f} | {r['achieved_gflops']:.0f} | {100 * r['mfu']:.0f} % of "
-                 f"{r['ceiling_gflops']:.0f}" if "mfu" in r else "n/a | n/a | n/a")
-        lines.append(f"| {r['variant']} | {r['mask_ratio']:.1f} | {r['images_per_sec']:.1f} | {speedup} | "
-                     f"{flops} | {memory:.2f} |")
-    return "\n".join(lines)
+                  "machine": machine(), "note": args.note, "ceilings_gflops": {p: c / 1e9 for p, c in ceilings.items()},
+                  "rows": rows}
+        save_json(args.out_dir / f"train_throughput-{preset}.json", report)
+    print("docs: python benchmarks/render_docs.py")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     main()

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from msn_core.durable import atomic_write_json
+from msn_core.features import FeatureError, check_feature, feature_dim
 from msn_core.masks import PAD
 
 __all__ = [
-    "FEATURES",
     "FORMAT_VERSION",
     "GRAPH_INPUTS",
     "INT8_METHODS",
@@ -56,7 +56,6 @@ __all__ = [
 FORMAT_VERSION = 2  # 2: keep_idx carries -1 padding, no keep_mask input
 READABLE_FORMAT_VERSIONS = (1, 2)
 META_FILE, ONNX_FILE, WEIGHTS_FILE = "msn.json", "model.onnx", "encoder.safetensors"
-FEATURES = ("cls_pre_norm", "cls_post_norm")  # cls_pre_norm: what the paper's low-shot evaluation uses
 GRAPH_INPUTS = ("pixel_values", "keep_idx")
 LEGACY_MASK_INPUT = "keep_mask"
 OUTPUT_NAME = "embedding"
@@ -109,9 +108,25 @@ class Preprocessing:
         return {**asdict(self), "mean": list(self.mean), "std": list(self.std)}
 
 
+_STEM_FIELDS = ("conv_stem_channels", "conv_stem_strides")
+
+
+def _int_tuple(value: Any, name: str) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):
+        raise BundleError(f"architecture.{name} must be a non-empty list of positive integers, got {value!r}")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """The ViT trunk: ``name`` plus the constructor arguments of ``training.model.vit.VisionTransformer``."""
+    """The ViT trunk: ``name`` plus the constructor arguments of ``training.model.vit.VisionTransformer``.
+
+    ``conv_stem_channels``/``conv_stem_strides`` describe a conv stem (the official ``*_convstem`` models): one
+    output width and one stride per convolution, 3x3 + BatchNorm + ReLU for all but the last, a 1x1 projection to
+    ``embed_dim`` last; ``patch_size`` is then the product of the strides. Absent (``None``, and left out of
+    ``msn.json``) means the plain patch projection, so bundles written before the fields existed read unchanged.
+    """
 
     name: str
     image_size: int
@@ -121,9 +136,12 @@ class Architecture:
     num_heads: int
     in_chans: int = 3
     mlp_ratio: float = 4.0
+    conv_stem_channels: tuple[int, ...] | None = None
+    conv_stem_strides: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _positive_ints(self, ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "in_chans"))
+        self._check_stem()
         if self.image_size % self.patch_size:
             raise BundleError(f"architecture.image_size {self.image_size} is not a multiple of patch_size "
                               f"{self.patch_size}")
@@ -131,18 +149,53 @@ class Architecture:
             raise BundleError(f"architecture.embed_dim {self.embed_dim} is not divisible by num_heads "
                               f"{self.num_heads}")
 
+    def _check_stem(self) -> None:
+        channels, strides = self.conv_stem_channels, self.conv_stem_strides
+        if channels is None and strides is None:
+            return
+        if channels is None or strides is None:
+            raise BundleError("architecture.conv_stem_channels and conv_stem_strides go together")
+        channels, strides = _int_tuple(channels, "conv_stem_channels"), _int_tuple(strides, "conv_stem_strides")
+        object.__setattr__(self, "conv_stem_channels", channels)  # lists (from JSON or kwargs) -> tuples
+        object.__setattr__(self, "conv_stem_strides", strides)
+        if len(channels) != len(strides):
+            raise BundleError(f"architecture.conv_stem_channels {list(channels)} and conv_stem_strides "
+                              f"{list(strides)} differ in length")
+        if channels[-1] != self.embed_dim:
+            raise BundleError(f"architecture.conv_stem_channels ends with {channels[-1]}, not embed_dim "
+                              f"{self.embed_dim}")
+        if math.prod(strides) != self.patch_size:
+            raise BundleError(f"architecture.conv_stem_strides {list(strides)} give patch size "
+                              f"{math.prod(strides)}, not patch_size {self.patch_size}")
+
+    @property
+    def conv_stem(self) -> bool:
+        """Whether the trunk embeds patches with a conv stem rather than one p×p projection."""
+        return self.conv_stem_strides is not None
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Architecture:
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise BundleError(f"unknown architecture field(s) {unknown}")
         ints = {k: int(d[k]) for k in ("image_size", "patch_size", "embed_dim", "depth", "num_heads")}
+        stem = {k: d[k] for k in _STEM_FIELDS if d.get(k) is not None}
         return cls(name=str(d.get("name", "vit_custom")), in_chans=int(d.get("in_chans", 3)),
-                   mlp_ratio=float(d.get("mlp_ratio", 4.0)), **ints)
+                   mlp_ratio=float(d.get("mlp_ratio", 4.0)), **ints, **stem)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``msn.json``'s ``architecture``: the stem fields (as lists) only when there is a stem."""
+        d = asdict(self)
+        for k in _STEM_FIELDS:
+            if d[k] is None:
+                del d[k]
+            else:
+                d[k] = list(d[k])
+        return d
 
     def encoder_kwargs(self) -> dict[str, Any]:
         """Everything but the name: ``VisionTransformer(**kwargs)`` rebuilds the trunk."""
-        return {k: v for k, v in asdict(self).items() if k != "name"}
+        return {k: v for k, v in self.to_dict().items() if k != "name"}
 
     @property
     def grid(self) -> int:
@@ -208,16 +261,24 @@ class BundleInfo:
         if self.format_version not in READABLE_FORMAT_VERSIONS:
             raise BundleError(f"format_version {self.format_version!r} is not one this version reads "
                               f"{READABLE_FORMAT_VERSIONS}; upgrade msn")
-        if self.feature not in FEATURES:
-            raise BundleError(f"feature {self.feature!r} is not one of {FEATURES}")
         arch, pre = self.architecture, self.preprocessing
+        try:
+            check_feature(self.feature, depth=arch.depth, grid=arch.grid)
+        except FeatureError as e:
+            raise BundleError(str(e)) from None
         if pre.crop != arch.image_size:
             raise BundleError(f"preprocessing.crop {pre.crop} differs from architecture.image_size {arch.image_size}")
         if pre.channels != arch.in_chans:
             raise BundleError(f"preprocessing.channels {pre.channels} differs from architecture.in_chans "
                               f"{arch.in_chans}")
 
-    embed_dim = property(lambda self: self.architecture.embed_dim)
+    @property
+    def embed_dim(self) -> int:
+        """Width of the embedding the graph outputs (the bundle's feature); ``model_dim`` is the encoder's width."""
+        a = self.architecture
+        return feature_dim(self.feature, embed_dim=a.embed_dim, depth=a.depth, grid=a.grid)
+
+    model_dim = property(lambda self: self.architecture.embed_dim)
     patch_size = property(lambda self: self.architecture.patch_size)
     image_size = property(lambda self: self.architecture.image_size)
     in_chans = property(lambda self: self.architecture.in_chans)
@@ -254,7 +315,7 @@ class BundleInfo:
         """The ``msn.json`` document."""
         int8 = {} if self.int8 is None else {"int8": self.int8.to_dict()}
         return {"format_version": self.format_version, "model_id": self.model_id,
-                "architecture": asdict(self.architecture), "preprocessing": self.preprocessing.to_dict(),
+                "architecture": self.architecture.to_dict(), "preprocessing": self.preprocessing.to_dict(),
                 "feature": self.feature, "onnx": self.onnx, **int8, **self.extra}
 
 

@@ -1,7 +1,13 @@
-"""The one exception type handlers raise for client mistakes; rendered as ``{"error": ..., "detail": ...}``.
+"""The error vocabulary of the whole service: :class:`ApiError`, a client-visible failure with a status code.
 
-Every error the service emits is JSON with an ``error`` key (the Open Inference Protocol clients, e.g.
-``tritonclient``, crash on anything else), so a single type with a status code keeps that promise in one place.
+Services (embedding, classifiers, indexes) raise it through these helpers, and :mod:`msn_serve.http.app` renders it
+as ``{"error": ..., "detail"?: ...}`` with its headers. The status is kept on the error, rather than mapping domain
+exception types to statuses at the edge, because the decision is made where the knowledge is: a full disk is a 507
+only where the write that failed is known (:func:`storage_error`), a fit that cannot run is a 503 with a
+``Retry-After`` only inside the fit pool, and a limit names its setting where it is checked. A status here is a class
+of failure (bad input, missing, conflict, too large, busy), not wire format: nothing in it is JSON or HTTP-specific
+beyond the number. One type also keeps the promise that every error is JSON with an ``error`` key (Open Inference
+Protocol clients, e.g. ``tritonclient``, crash on anything else) in one place.
 """
 from __future__ import annotations
 

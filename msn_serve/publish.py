@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from msn_core.durable import atomic_write, fsync_path
-
 from msn_serve.classifiers.fewshot import ClassifierStore
-from msn_serve.indexes.store import IndexStore
 from msn_serve.indexes.storage import remove_durably
+from msn_serve.indexes.store import IndexStore
 
 log = logging.getLogger("msn_serve.publish")
 PUBLISHED, CURRENT, MANIFEST = "published", "CURRENT", "manifest.json"

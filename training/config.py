@@ -16,10 +16,12 @@ from typing import Any
 
 import yaml
 
+from msn_core.features import FeatureError, parse_feature
+
 
 @dataclass
 class ModelConfig:
-    arch: str = "vit_small"  # vit_tiny | vit_small | vit_base | vit_large | vit_huge
+    arch: str = "vit_small"  # vit_tiny | vit_small | vit_base | vit_large | vit_huge | deit_small_convstem | vitc_4gf
     patch_size: int = 16
     image_size: int = 224  # size of the target and (masked) anchor views
     patches_per_side: int | None = None  # when set, patch_size = image_size / this: one recipe for any image size
@@ -27,10 +29,19 @@ class ModelConfig:
     depth: int | None = None
     num_heads: int | None = None
     drop_path_rate: float = 0.0
+    # Conv stem (official *_convstem / ViTC, docs/training.md "Conv-stem ViTs") instead of the p x p patch projection.
+    # true alone: log2(patch_size) stride-2 3x3 convs (BN + ReLU) widening to embed_dim, then a 1x1 projection.
+    # The lists (one width and one stride per conv, last width = embed_dim) imply conv_stem and set patch_size to
+    # the product of the strides, e.g. channels [96, 192, 192], strides [2, 2, 1]: patch 4 on 28 px images.
+    conv_stem: bool = False
+    conv_stem_channels: list[int] | None = None
+    conv_stem_strides: list[int] | None = None
     head_hidden_dim: int = 2048
     head_out_dim: int = 256
     head_use_bn: bool = True
     num_prototypes: int = 1024
+    # the frozen feature msn-export puts in the bundle (msn_core.features; benchmarks/feature_choice.py picks it)
+    feature: str = "cls_pre_norm"
 
 
 @dataclass
@@ -110,7 +121,7 @@ class OptimConfig:
 class RunConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 where native: CUDA, AMX or AVX512-BF16 CPUs; fp32 elsewhere) | fp32 | bf16
     compile: bool = False
     max_steps: int | None = None  # stop after this many optimiser steps (smoke tests, benchmarks)
     checkpoint_every_steps: int = 500
@@ -161,20 +172,38 @@ def read_raw_config(path: str | Path | None, overrides: list[str] | None) -> dic
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Rebuild a Config from ``Config.to_dict()`` output (e.g. the copy stored in a checkpoint)."""
-    cfg = build_dataclass(Config, _migrate(raw))
-    _derive(cfg)
+    raw = _migrate(raw)
+    cfg = build_dataclass(Config, raw)
+    model = raw.get("model")
+    _derive(cfg, explicit_patch_size=isinstance(model, dict) and model.get("patch_size") is not None)
     validate(cfg)
     return cfg
 
 
-def _derive(cfg: Config) -> None:
-    """Fill the keys that a config may state relative to the image size (so a recipe moves between sizes)."""
+def _derive(cfg: Config, *, explicit_patch_size: bool = False) -> None:
+    """Fill the keys that a config may state relative to the image size (so a recipe moves between sizes), and
+    the patch size of an explicit conv stem (the product of its strides)."""
     m = cfg.model
     if m.patches_per_side is not None:
         if m.patches_per_side < 1 or m.image_size % m.patches_per_side:
             raise ConfigError(f"model.image_size={m.image_size} is not a multiple of "
                               f"model.patches_per_side={m.patches_per_side}")
         m.patch_size = m.image_size // m.patches_per_side
+    if m.conv_stem_channels is not None or m.conv_stem_strides is not None:
+        m.conv_stem = True
+    if m.conv_stem_strides is not None:
+        if not m.conv_stem_strides or min(m.conv_stem_strides) < 1:
+            raise ConfigError(f"model.conv_stem_strides={m.conv_stem_strides} must be positive integers")
+        product = 1
+        for stride in m.conv_stem_strides:
+            product *= stride
+        if (m.patches_per_side is not None or explicit_patch_size) and m.patch_size != product:
+            raise ConfigError(f"model.conv_stem_strides={m.conv_stem_strides} give patch size {product}, but "
+                              f"model.patch_size is {m.patch_size}: drop one of them")
+        m.patch_size = product
+    elif m.conv_stem and (m.patch_size < 2 or m.patch_size & (m.patch_size - 1)):
+        raise ConfigError(f"model.conv_stem=true with model.patch_size={m.patch_size}: the default stem needs a "
+                          "power of two >= 2; give model.conv_stem_strides (and _channels) instead")
     if cfg.data.load_size is None:
         cfg.data.load_size = m.image_size
 
@@ -208,6 +237,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.source={data.source!r}: expected image_folder, fashion-mnist or synthetic")
     if data.source == "image_folder" and not data.root:
         raise ConfigError("data.root is required when data.source=image_folder")
+    try:
+        parse_feature(m.feature)
+    except FeatureError as err:
+        raise ConfigError(f"model.feature: {err}") from None
     if cfg.run.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision={cfg.run.precision!r}: expected auto, fp32 or bf16")
     if cfg.run.device not in ("auto", "cpu", "cuda"):

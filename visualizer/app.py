@@ -53,7 +53,7 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
     try:
-        from training.data import FashionMNIST
+        from training.api import FashionMNIST
 
         test = FashionMNIST(split="test")
         for index in range(fashion_mnist):

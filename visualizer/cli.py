@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from training import distributed as dist
+    from training.api import cleanup, init_distributed
     from visualizer.config import ConfigError, load_config
     from visualizer.train import train
 
@@ -88,14 +88,14 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:
         raise SystemExit(f"msn-visualize train: {exc}") from None
-    info = dist.init_distributed(cfg.run.device)
+    info = init_distributed(cfg.run.device)
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, format="%(asctime)s %(message)s")
     try:
         record = train(cfg, args.bundle, args.output_dir, resume=args.resume, info=info)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"msn-visualize train: {exc}") from None
     finally:
-        dist.cleanup()
+        cleanup()
     if info.rank == 0:
         print(f"done: step {record.get('step')}, checkpoint {args.output_dir / 'checkpoint.pt'}")
     return 0

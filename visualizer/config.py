@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from training.config import ConfigError, build_dataclass, read_raw_config
+from training.api import ConfigError, build_dataclass, read_raw_config
 
 __all__ = ["ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
 

@@ -18,8 +18,7 @@ from torch import Tensor
 
 from msn_core.bundle import check_graph_inputs, onnx_feeds
 from msn_core.masks import PAD, num_kept
-from training.masking import as_keep_tensor, encoder_keep_args
-from training.views import eval_transform
+from training.api import as_keep_tensor, encoder_keep_args, eval_transform, read_feature
 
 __all__ = ["FrozenEncoder", "random_keep", "to_uint8"]
 
@@ -53,7 +52,7 @@ class FrozenEncoder:
     """``embed(images_uint8, keep_idx=None, keep_mask=None) -> (B, D)`` float32 features on ``device``."""
 
     def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu"):
-        from training.bundle.export import load_encoder
+        from training.api import feature_spec, load_encoder
 
         self.bundle_dir = Path(bundle_dir)
         self.backend, self.device = backend, torch.device(device)
@@ -62,10 +61,11 @@ class FrozenEncoder:
         prep = self.info.preprocessing
         self.transform = {"resize": prep.resize, "crop": prep.crop, "mean": list(prep.mean), "std": list(prep.std)}
         self.patch_size, self.grid = self.info.patch_size, self.info.grid
-        self.num_patches, self.dim = self.info.num_patches, self.info.embed_dim
+        self.num_patches, self.dim = self.info.num_patches, self.info.embed_dim  # the bundle's feature width
         self.encoder = self.session = None
         if backend == "torch":
             self.encoder = encoder.to(self.device).eval().requires_grad_(False)
+            self.spec = feature_spec(encoder, self.feature)
         elif backend == "onnx":
             import onnxruntime as ort
 
@@ -101,8 +101,9 @@ class FrozenEncoder:
         if keep_mask is not None:
             keep = torch.where(keep_mask.cpu(), keep, PAD)
         if self.encoder is not None:
-            pre, post = self.encoder(pixels.float(), *encoder_keep_args(keep.to(self.device)))
-            return (pre if self.feature == "cls_pre_norm" else post).float()
+            keep = keep.to(self.device)
+            _, keep_mask = encoder_keep_args(keep)
+            return read_feature(self.encoder, self.spec, pixels.float(), keep, keep_mask).float()
         feeds = onnx_feeds(self.onnx_inputs, pixels.float().cpu().numpy(), keep.numpy())
         return torch.from_numpy(self.session.run(["embedding"], feeds)[0]).to(self.device)
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from training.checkpoint import load_checkpoint
+from training.api import load_checkpoint
 from visualizer.config import RCDMConfig, config_from_dict
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion

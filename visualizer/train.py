@@ -24,11 +24,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from training import distributed as dist
-from training.data import build_dataset, build_loader
-from training.model.msn import ema_update
-from training.run.state import Progress, batches_from, restore_progress, save_progress
-from training.views import eval_transform
+from training.api import (
+    DistInfo,
+    Progress,
+    barrier,
+    batches_from,
+    build_dataset,
+    build_loader,
+    ema_update,
+    eval_transform,
+    init_distributed,
+    restore_progress,
+    save_progress,
+)
 from visualizer.config import RCDMConfig, dump_config
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
@@ -83,9 +91,9 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
 
 
 def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume: bool = False,
-          info: dist.DistInfo | None = None) -> dict:
+          info: DistInfo | None = None) -> dict:
     """Run (or continue) training until ``optim.max_steps``; returns the last logged metrics."""
-    info = info or dist.init_distributed(cfg.run.device)
+    info = info or init_distributed(cfg.run.device)
     device, is_main = info.device, info.rank == 0
     output_dir = Path(output_dir)
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -185,5 +193,5 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         if step % cfg.run.checkpoint_every_steps == 0 or step == total:
             save()
     bar.close()
-    dist.barrier()
+    barrier()
     return record

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from msn_core.lowshot import LinearClassifier
-
 from msn_serve.errors import ApiError, busy, unprocessable
 
 log = logging.getLogger("msn_serve.classifiers.fitpool")

@@ -1,28 +1,28 @@
-"""The label loop's service methods: select, fit-from-ids' lookup, suggest and predict_index.
+"""The label loop over stored items: select, fit-from-ids' lookup, suggest and predict_index (blocking calls).
 
-Each reads an index's stored vectors (:mod:`msn_serve.indexes.vectors`), works on a seeded candidate sample of at
-most ``select_candidates`` items (so a call costs the same at 100k or 10M items) and runs in the work pool, off the
-event loop. The algorithms live in :mod:`msn_serve.classifiers.labelloop`; the policies here: which ids are excluded (the
-request's ``exclude_ids``, and a classifier's own fit ids on the index it was fitted from), how a classifier and an
-index must agree (dimension), and how large a page may be.
+Each reads an index's stored vectors (:mod:`msn_serve.classifiers.indexvectors`), works on a seeded candidate sample
+of at most ``select_candidates`` items (so a call costs the same at 100k or 10M items) and is run in the work pool by
+:class:`~msn_serve.classifiers.service.ClassifierService`. The algorithms live in :mod:`msn_serve.classifiers.labelloop`;
+the policies here: which ids are excluded (the caller's ``exclude_ids``, and a classifier's own fit ids on the index
+it was fitted from), how a classifier and an index must agree (dimension), and how large a page may be. Results are
+plain values; :mod:`msn_serve.http.responses` writes a page as JSON.
 """
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from msn_serve.classifiers import labelloop
-from msn_serve.errors import check_name, unprocessable
 from msn_serve.classifiers.fewshot import FewShotClassifier
-from msn_serve.indexes.store import IndexStore
-from msn_serve.indexes.vectors import positions, stored_vectors
+from msn_serve.classifiers.indexvectors import positions, stored_vectors
+from msn_serve.errors import unprocessable
 from msn_serve.indexes.managed import ManagedIndex
-from msn_serve.http.jsonio import BoundedJson, dumps
-from msn_serve.http.label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
-from msn_serve.http.responses import check_results, number
+from msn_serve.indexes.store import IndexStore
+from msn_serve.limits import check_results
 
 DEFAULT_PAGE = 1000
 CHUNK = 8192  # rows per probability block (bounds memory at many classes)
@@ -43,20 +43,21 @@ def _excluded(all_ids: np.ndarray, exclude: np.ndarray | None) -> np.ndarray:
     return pos[all_ids[pos] == exclude]
 
 
-def select(indexes: IndexStore, name: str, req: SelectRequest, candidates: int) -> dict[str, Any]:
+def select(indexes: IndexStore, name: str, *, n: int, strategy: str, seed: int, exclude_ids: np.ndarray | None,
+           candidates: int) -> dict[str, Any]:
     """``{"ids", "strategy", "seed", "available", "candidates"}``: ``n`` ids (fewer when fewer are available)."""
-    ids, vecs = _nonempty(indexes.get(check_name(name, "index name")), name)
-    covered = _excluded(ids, req.exclude_ids)
-    cand = labelloop.candidate_positions(len(ids), candidates, req.seed, covered)
+    ids, vecs = _nonempty(indexes.get(name), name)
+    covered = _excluded(ids, exclude_ids)
+    cand = labelloop.candidate_positions(len(ids), candidates, seed, covered)
     cov = vecs[covered] if len(covered) else None
-    picks = labelloop.select(vecs[cand], req.n, req.strategy, req.seed, cov) if len(cand) else np.zeros(0, np.int64)
-    return {"index": name, "ids": ids[cand[picks]].tolist(), "strategy": req.strategy, "seed": req.seed,
+    picks = labelloop.select(vecs[cand], n, strategy, seed, cov) if len(cand) else np.zeros(0, np.int64)
+    return {"index": name, "ids": ids[cand[picks]].tolist(), "strategy": strategy, "seed": seed,
             "available": int(len(ids) - len(covered)), "candidates": len(cand)}
 
 
 def fit_vectors(indexes: IndexStore, name: str, wanted: np.ndarray) -> np.ndarray:
     """The stored vectors of ``wanted`` ids (422 naming ids the index lacks)."""
-    ids, vecs = stored_vectors(indexes.get(check_name(name, "index name")))
+    ids, vecs = stored_vectors(indexes.get(name))
     return vecs[positions(ids, wanted, name)]
 
 
@@ -78,25 +79,26 @@ def _probabilities(clf: FewShotClassifier, space: np.ndarray) -> np.ndarray:
     return out
 
 
-def suggest(indexes: IndexStore, clf: FewShotClassifier, req: SuggestRequest, candidates: int) -> dict[str, Any]:
+def suggest(indexes: IndexStore, clf: FewShotClassifier, *, index: str, n: int, strategy: str, seed: int,
+            exclude_ids: np.ndarray | None, candidates: int) -> dict[str, Any]:
     """Unlabelled ids, most useful first; a classifier's fit ids on this index never come back."""
-    idx = indexes.get(check_name(req.index, "index name"))
-    _check_dims(clf, idx, req.index)
-    ids, vecs = _nonempty(idx, req.index)
-    skip = [req.exclude_ids] if req.exclude_ids is not None else []
-    if clf.fit_ids is not None and clf.info.get("index") == req.index:
+    idx = indexes.get(index)
+    _check_dims(clf, idx, index)
+    ids, vecs = _nonempty(idx, index)
+    skip = [exclude_ids] if exclude_ids is not None else []
+    if clf.fit_ids is not None and clf.info.get("index") == index:
         skip.append(clf.fit_ids)
     covered = _excluded(ids, np.unique(np.concatenate(skip)) if skip else None)
-    cand = labelloop.candidate_positions(len(ids), candidates, req.seed, covered)
-    out: dict[str, Any] = {"name": clf.name, "index": req.index, "strategy": req.strategy, "seed": req.seed,
+    cand = labelloop.candidate_positions(len(ids), candidates, seed, covered)
+    out: dict[str, Any] = {"name": clf.name, "index": index, "strategy": strategy, "seed": seed,
                            "available": int(len(ids) - len(covered)), "candidates": len(cand)}
     if not len(cand):
         return {**out, "ids": [], "uncertainty": []}
     space = vecs[cand]
     probs = _probabilities(clf, space)
     cov = vecs[covered] if len(covered) else None
-    picks = labelloop.suggest(space, probs, req.n, req.strategy, req.seed, cov)
-    unc = labelloop.uncertainty(probs[picks], "entropy" if req.strategy == "entropy" else "margin")
+    picks = labelloop.suggest(space, probs, n, strategy, seed, cov)
+    unc = labelloop.uncertainty(probs[picks], "entropy" if strategy == "entropy" else "margin")
     return {**out, "ids": ids[cand[picks]].tolist(), "uncertainty": [round(float(u), 6) for u in unc]}
 
 
@@ -131,34 +133,47 @@ class PredictionCache:
         return entry
 
 
-def predict_index(indexes: IndexStore, clf: FewShotClassifier, req: PredictIndexRequest, cache: PredictionCache,
-                  *, max_page: int, max_results: int, max_bytes: int) -> bytes:
-    """One page of predictions over an index, as a size-capped JSON body (see docs/serving.md)."""
-    idx = indexes.get(check_name(req.index, "index name"))
-    _check_dims(clf, idx, req.index)
-    k, limit = min(req.k, len(clf.classes)), req.limit or min(DEFAULT_PAGE, max_page)
+@dataclass(frozen=True)
+class IndexPage:
+    """One page of predictions over an index's items, and the class counts over all of them."""
+
+    name: str  # the classifier
+    index: str
+    total: int
+    offset: int
+    limit: int
+    order: str
+    next_offset: int | None
+    classes: list[str]
+    class_counts: dict[str, int]
+    ids: np.ndarray  # (m,) the page's ids, in page order
+    label: np.ndarray  # (m,) index into classes of each item's most probable class
+    probability: np.ndarray  # (m,) its probability
+    margin: np.ndarray  # (m,) top-1 minus top-2 probability
+    top: np.ndarray  # (m, k) indices into classes, most probable first
+    top_probability: np.ndarray  # (m, k)
+    metadata: dict[int, str | None]  # id -> stored metadata JSON text
+
+
+def predict_index(indexes: IndexStore, clf: FewShotClassifier, cache: PredictionCache, *, index: str, offset: int,
+                  limit: int | None, k: int, order: str, max_page: int, max_results: int) -> IndexPage:
+    """One page (``limit`` items from ``offset``, by id or least certain first) of predictions over an index."""
+    idx = indexes.get(index)
+    _check_dims(clf, idx, index)
+    k, limit = min(k, len(clf.classes)), limit or min(DEFAULT_PAGE, max_page)
     check_results(limit, k, max_results)
     ids, vecs = stored_vectors(idx)
     entry = cache.get(clf, idx, ids, vecs)
-    order = entry["uncertain"] if req.order == "uncertain" else np.arange(len(ids))
-    page = order[req.offset: req.offset + limit]
+    ordered = entry["uncertain"] if order == "uncertain" else np.arange(len(ids))
+    page = ordered[offset: offset + limit]
     probs = _probabilities(clf, vecs[page])
     top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
-    end = req.offset + len(page)
-    head = {"name": clf.name, "index": req.index, "total": len(ids), "offset": req.offset,
-            "limit": limit, "order": req.order, "next_offset": end if end < len(ids) else None,
-            "classes": clf.classes, "class_counts": dict(zip(clf.classes, entry["counts"].tolist(), strict=True))}
-    labels = [dumps(c) for c in clf.classes]
-    out = BoundedJson(max_bytes)
-    out.write(dumps(head)[:-1] + ',"items":[')
+    end = offset + len(page)
     with idx.lock:
         texts = {int(i): idx.metadata.text(int(i)) for i in ids[page].tolist()}
-    for r, p in enumerate(page.tolist()):
-        i = int(ids[p])
-        tops = ",".join(f'{{"label":{labels[j]},"probability":{number(probs[r, j])}}}' for j in top[r].tolist())
-        meta = texts.get(i)
-        out.write(("," if r else "") + f'{{"id":{i},"label":{labels[int(entry["top1"][p])]},'
-                  f'"probability":{number(entry["conf"][p])},"margin":{number(entry["margin"][p])},'
-                  f'"top":[{tops}]' + (f',"metadata":{meta}}}' if meta is not None else "}"))
-    out.write("]}")
-    return out.body()
+    return IndexPage(name=clf.name, index=index, total=len(ids), offset=offset, limit=limit, order=order,
+                     next_offset=end if end < len(ids) else None, classes=clf.classes,
+                     class_counts=dict(zip(clf.classes, entry["counts"].tolist(), strict=True)),
+                     ids=ids[page], label=entry["top1"][page], probability=entry["conf"][page],
+                     margin=entry["margin"][page], top=top, top_probability=np.take_along_axis(probs, top, axis=1),
+                     metadata=texts)

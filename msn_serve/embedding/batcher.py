@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from msn_core.masks import PAD, pad_keep
-
 from msn_serve.embedding.engine import Engine
 from msn_serve.errors import ApiError
 from msn_serve.metrics import Metrics

@@ -19,7 +19,6 @@ import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from msn_core.bundle import Preprocessing
-
 from msn_serve.errors import ApiError, too_large, unprocessable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated upload is an error, not a grey half-image

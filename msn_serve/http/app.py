@@ -1,5 +1,8 @@
 """FastAPI application factory: middleware (auth, body limit, metrics), JSON errors, health and metrics routes.
 
+The app holds one :class:`~msn_serve.runtime.Runtime` (``app.state.runtime``), started and stopped by the lifespan.
+Services raise :class:`~msn_serve.errors.ApiError`; the handlers here render it, and everything else, as JSON.
+
 Every non-2xx response is JSON with an ``error`` key — including 404s for unknown routes and FastAPI's validation
 errors (reshaped to ``{"error": ..., "detail": [...]}``) — because OIP clients cannot parse anything else.
 """
@@ -18,13 +21,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from msn_serve.http import oip
-from msn_serve.http import routes
 from msn_serve.config import Settings
 from msn_serve.errors import ApiError, storage_error
+from msn_serve.http import oip, routes
 from msn_serve.http.jsonio import StrictJSONResponse
 from msn_serve.metrics import MetricsMiddleware
-from msn_serve.service import Service
+from msn_serve.runtime import Runtime
 
 log = logging.getLogger("msn_serve")
 OPEN_PATHS = {"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"}
@@ -118,23 +120,23 @@ def _document_model_names(app: FastAPI, model_id: str) -> None:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    service = Service(settings)
+    runtime = Runtime(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await service.start()
-        if service.quarantined:
-            log.error("quarantined at start-up (see %s/quarantine): %s", settings.data_dir, service.quarantined)
+        await runtime.start()
+        if runtime.quarantined:
+            log.error("quarantined at start-up (see %s/quarantine): %s", settings.data_dir, runtime.quarantined)
         try:
             yield
         finally:
-            await service.stop()
+            await runtime.stop()
 
     app = FastAPI(title="msn-serve", version=oip.package_version(), lifespan=lifespan,
                   default_response_class=StrictJSONResponse,
                   description="Masked Siamese Network embeddings, few-shot classifiers and FAISS search "
                               "over an exported bundle. All errors are JSON: {\"error\": ..., \"detail\"?: ...}.")
-    app.state.service = service
+    app.state.runtime = runtime
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -161,7 +163,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        service.metrics.errors.labels("internal").inc()
+        runtime.metrics.errors.labels("internal").inc()
         return JSONResponse(status_code=500, content={"error": f"internal server error: {type(exc).__name__}"})
 
     @app.get("/healthz", tags=["health"])
@@ -172,29 +174,28 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
         """Readiness: warmed up and inference works (after failures, re-checked with a real forward pass)."""
-        ok, detail = await service.readiness()
+        ok, detail = await runtime.readiness()
         return JSONResponse(status_code=200 if ok else 503, content={"ready": ok, **detail})
 
     @app.get("/metrics", tags=["health"])
     async def metrics() -> Response:
-        body, ctype = service.metrics.render()
+        body, ctype = runtime.metrics.render()
         return Response(body, media_type=ctype)
 
     @app.get("/info", tags=["health"])
     async def info() -> dict[str, Any]:
         """Model and bundle facts clients need (patch grid for masks, preprocessing)."""
-        i = service.info
+        i, engine = runtime.info, runtime.embedding.engine
         return {"model_id": i.model_id, "dim": i.embed_dim, "patch_size": i.patch_size, "image_size": i.image_size,
                 "grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
-                "preprocessing": i.preprocessing.to_dict(), "device": service.engine.device,
-                "precision": service.engine.precision,
+                "preprocessing": i.preprocessing.to_dict(), "device": engine.device, "precision": engine.precision,
                 "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms,
-                "role": "reader" if service.read_only else "writer", "snapshot_version": service.snapshot_version}
+                "role": runtime.role, "snapshot_version": runtime.snapshots.version}
 
     app.include_router(routes.router)
     app.include_router(oip.router)
-    _document_model_names(app, service.info.model_id)
+    _document_model_names(app, runtime.info.model_id)
     # Added last = outermost: metrics also count the 401/413 answers the guard gives.
-    app.add_middleware(GuardMiddleware, api_key=service.api_key, max_body=settings.max_body_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=service.metrics)
+    app.add_middleware(GuardMiddleware, api_key=runtime.api_key, max_body=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=runtime.metrics)
     return app

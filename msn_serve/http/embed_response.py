@@ -22,7 +22,9 @@ import numpy as np
 import orjson
 from starlette.responses import Response
 
+from msn_core.bundle import BundleInfo
 from msn_serve.errors import ApiError
+from msn_serve.http.schemas import EmbedRequest
 
 JSON, RAW, NPY = "application/json", "application/octet-stream", "application/x-npy"
 SUPPORTED = (JSON, RAW, NPY)
@@ -79,3 +81,14 @@ def embeddings_response(media: str, emb: np.ndarray, *, model_id: str, normalize
                "X-Model-Id": model_id, "X-Normalized": "true" if normalized else "false",
                "X-Kept-Tokens": ",".join(str(k) for k in kept_tokens), "Vary": "Accept"}
     return Response(body, media_type=media, headers=headers)
+
+
+def embed_response(media: str, emb: np.ndarray, req: EmbedRequest, info: BundleInfo) -> Response:
+    """The ``/embed`` answer in ``media``; ``keep_idx`` is echoed (JSON only) when the client sent a mask."""
+    keeps = req.keep_idx or []
+    kept = [int(k.size) for k in keeps]
+    if media != JSON:
+        return embeddings_response(media, emb, model_id=info.model_id, normalized=req.normalize, kept_tokens=kept)
+    head = {"model_id": info.model_id, "dim": info.embed_dim, "count": len(keeps), "normalized": req.normalize,
+            "kept_tokens": kept}
+    return json_response(head, emb, keeps if "mask" in req.model_fields_set else None)

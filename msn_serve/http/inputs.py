@@ -3,7 +3,7 @@
 ``multipart/form-data``: files in ``image``/``images`` (``curl -F image=@x.jpg``), other parameters as text fields
 holding JSON (``-F mask='{"ratio": 0.5}'``). ``application/json``: the same names, images as base64 strings
 (optionally ``data:`` URIs). :func:`read_request` then validates the fields with the endpoint's request model
-(:mod:`msn_serve.http.schemas`), which answers a 422 naming the field when one is wrong.
+(:mod:`msn_serve.http.schemas`), which answers a 422 naming the field when one is wrong (the mask included).
 """
 from __future__ import annotations
 
@@ -94,12 +94,13 @@ async def read_payload(request: Request, *, max_images: int, max_body: int) -> P
     raise ApiError(415, f"unsupported content type {ctype!r}; use multipart/form-data or application/json")
 
 
-async def read_request(request: Request, model: type[M], settings: Settings) -> M:
-    """Read the body (multipart or JSON) and the model's query parameters into a validated ``model``."""
+async def read_request(request: Request, model: type[M], settings: Settings, grid: int) -> M:
+    """Read the body (multipart or JSON) and the model's query parameters into a validated ``model`` (its mask
+    resolved on the model's patch ``grid``)."""
     payload = await read_payload(request, max_images=settings.max_images_per_request,
                                  max_body=settings.max_body_bytes)
     fields = payload.fields
     for key in model.QUERY:  # ?k=10 works like a body field; the body wins when both are given
         if key in request.query_params and key not in fields:
             fields[key] = request.query_params[key]
-    return model.from_fields(fields, settings, multipart=payload.multipart, images=payload.images)
+    return model.from_fields(fields, settings, multipart=payload.multipart, images=payload.images, grid=grid)

@@ -3,8 +3,9 @@
 Python's ``json`` module accepts ``NaN``/``Infinity``, raises ``RecursionError`` on deep nesting and ``ValueError`` on
 integers longer than 4300 digits, and writes bare ``NaN`` that strict parsers reject. Every request body, multipart
 field, OIP header and ``mask`` parameter is parsed by :func:`loads`, so all of these become a 4xx naming the field;
-every response is written with ``allow_nan=False``. :class:`BoundedJson` writes large responses (search results)
-piece by piece and stops at a byte limit, so the size of a response is checked before it is held in memory.
+every response is written with ``allow_nan=False`` (compact text: :func:`msn_serve.jsontext.dumps`).
+:class:`BoundedJson` writes large responses (search results) piece by piece and stops at a byte limit, so the size of
+a response is checked before it is held in memory.
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from msn_serve.errors import ApiError, too_large
-
-MAX_DEPTH = 64  # nesting accepted in stored values (metadata); far below the parser's recursion limit
 
 
 def _reject_constant(name: str) -> Any:
@@ -35,25 +34,6 @@ def loads(data: bytes | str, what: str, status: int = 422) -> Any:
     except ValueError as e:  # 4300+ digit integers, NaN/Infinity
         reason = str(e).split(";")[0]
     raise ApiError(status, f"{what}: not valid JSON ({reason})") from None
-
-
-def dumps(value: Any) -> str:
-    """Compact, strict, ASCII-only JSON text (non-ASCII characters as ``\\u`` escapes, so its length is its size
-    in bytes, which the metadata and response limits count); raises ``ValueError`` on NaN/infinity."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
-
-
-def depth(value: Any) -> int:
-    """Nesting depth of a JSON value (a scalar is 0), computed without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            v = list(v.values())
-        if isinstance(v, list):
-            deepest = max(deepest, d + 1)
-            stack.extend((x, d + 1) for x in v if isinstance(x, (list, dict)))
-    return deepest
 
 
 class StrictJSONResponse(JSONResponse):

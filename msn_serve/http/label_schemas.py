@@ -8,14 +8,15 @@ import numpy as np
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from msn_serve.errors import NAME_RE, too_large
-from msn_serve.http.schemas import MAX_ID, K, RequestModel, _no_bool, _settings, ids
+from msn_serve.http.fields import MAX_ID, K, ids, no_bool, settings_of
+from msn_serve.http.schemas import RequestModel
 
 
 # ---- the label loop ---------------------------------------------------------------------------------------------
 def _at_most(setting: str) -> Any:
     """A count no larger than the setting named ``setting`` (413 naming it beyond)."""
     def check(v: int, info: ValidationInfo) -> int:
-        limit = getattr(_settings(info), setting)
+        limit = getattr(settings_of(info), setting)
         if v > limit:
             raise too_large(f"{v} exceeds the limit of {limit} ({setting})")
         return v
@@ -30,9 +31,9 @@ def optional_ids(value: Any, limit: int) -> np.ndarray:
     return ids(value, limit)
 
 
-Seed = Annotated[int, Field(ge=0, le=2**32 - 1), BeforeValidator(_no_bool)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1), BeforeValidator(no_bool)]
 IndexName = Annotated[str, Field(description=f"index name, matching {NAME_RE.pattern}")]
-ExcludeIds = Annotated[Any, BeforeValidator(lambda v, info: optional_ids(v, _settings(info).max_vectors_per_request)),
+ExcludeIds = Annotated[Any, BeforeValidator(lambda v, info: optional_ids(v, settings_of(info).max_vectors_per_request)),
                        WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})]
 
 
@@ -46,7 +47,7 @@ class SelectRequest(RequestModel):
     """``POST /index/{name}/select``: what to label first."""
 
     IMAGES: ClassVar[bool] = False
-    n: Annotated[int, Field(ge=1), BeforeValidator(_no_bool), _at_most("max_select")] = Field(
+    n: Annotated[int, Field(ge=1), BeforeValidator(no_bool), _at_most("max_select")] = Field(
         20, description="items to select (at most max_select; capped at the items available)")
     strategy: Literal["typical", "kmeans", "kcenter", "random"] = Field(
         "typical", description="typical = most typical item of each of the n largest k-means clusters (default); "
@@ -61,7 +62,7 @@ class SuggestRequest(RequestModel):
 
     IMAGES: ClassVar[bool] = False
     index: IndexName
-    n: Annotated[int, Field(ge=1), BeforeValidator(_no_bool), _at_most("max_select")] = Field(
+    n: Annotated[int, Field(ge=1), BeforeValidator(no_bool), _at_most("max_select")] = Field(
         20, description="suggestions (at most max_select; capped at the unlabelled items available)")
     strategy: Literal["margin", "entropy", "typical", "random"] = Field(
         "margin", description="margin/entropy = most uncertain, one per k-means group of the uncertain items "
@@ -80,8 +81,8 @@ class PredictIndexRequest(RequestModel):
 
     IMAGES: ClassVar[bool] = False
     index: IndexName
-    offset: Annotated[int, Field(ge=0, le=MAX_ID), BeforeValidator(_no_bool)] = 0
-    limit: Annotated[int, Field(ge=1), BeforeValidator(_no_bool), _at_most("max_page")] | None = Field(
+    offset: Annotated[int, Field(ge=0, le=MAX_ID), BeforeValidator(no_bool)] = 0
+    limit: Annotated[int, Field(ge=1), BeforeValidator(no_bool), _at_most("max_page")] | None = Field(
         None, description="items in this page (default 1000; at most max_page)")
     k: K = Field(3, ge=1, description="top-k labels per item (capped at the class count; limit x k at most "
                                       "max_results_per_request)")

@@ -18,12 +18,12 @@ from fastapi import APIRouter, Request, Response
 
 from msn_core.bundle import BundleInfo
 from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
-
 from msn_serve.errors import ApiError, bad_request, not_found
-from msn_serve.http.jsonio import dumps, loads
+from msn_serve.http.jsonio import loads
 from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
 from msn_serve.http.schemas import inline_schema
-from msn_serve.service import Service
+from msn_serve.jsontext import dumps
+from msn_serve.runtime import Runtime
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
@@ -36,15 +36,16 @@ def package_version() -> str:
         return "0.0.0"
 
 
-def _svc(request: Request) -> Service:
-    return request.app.state.service
+def _rt(request: Request) -> Runtime:
+    return request.app.state.runtime
 
 
-def _model(request: Request, model: str) -> Service:
-    svc = _svc(request)
-    if model not in (svc.info.model_id, "msn"):
-        raise not_found(f"unknown model {model!r}; this server serves {svc.info.model_id!r} (alias 'msn')")
-    return svc
+def _model(request: Request, model: str) -> Runtime:
+    """The runtime, when ``model`` names the served model (404 otherwise)."""
+    rt = _rt(request)
+    if model not in (rt.info.model_id, "msn"):
+        raise not_found(f"unknown model {model!r}; this server serves {rt.info.model_id!r} (alias 'msn')")
+    return rt
 
 
 @router.get("")
@@ -59,7 +60,7 @@ async def live() -> Response:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> Response:
-    ok, detail = await _svc(request).readiness()
+    ok, detail = await _rt(request).readiness()
     if not ok:
         raise ApiError(503, detail.get("error", "not ready: warming up"))
     return Response(status_code=200)
@@ -68,8 +69,7 @@ async def ready(request: Request) -> Response:
 @router.get("/models/{model}/ready")
 @router.get("/models/{model}/versions/{ver}/ready")
 async def model_ready(model: str, request: Request, ver: str | None = None) -> Response:
-    svc = _model(request, model)
-    ok, detail = await svc.readiness()
+    ok, detail = await _model(request, model).readiness()
     if not ok:
         raise ApiError(503, detail.get("error", "model not ready: warming up"))
     return Response(status_code=200)
@@ -78,8 +78,7 @@ async def model_ready(model: str, request: Request, ver: str | None = None) -> R
 @router.get("/models/{model}")
 @router.get("/models/{model}/versions/{ver}")
 async def model_metadata(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
-    svc = _model(request, model)
-    i = svc.info
+    i = _model(request, model).info
     inputs = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, i.in_chans, i.image_size, i.image_size]},
               {"name": "keep_idx", "datatype": "INT64", "shape": [-1, -1], "optional": True},  # -1 = padding
               {"name": "keep_mask", "datatype": "BOOL", "shape": [-1, -1], "optional": True}]
@@ -94,8 +93,8 @@ async def model_metadata(model: str, request: Request, ver: str | None = None) -
 @router.get("/models/{model}/versions/{ver}/config")
 async def model_config(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
     """Triton's model-configuration extension (read by perf_analyzer): dims exclude the batch dimension."""
-    svc = _model(request, model)
-    i, s = svc.info, svc.settings
+    rt = _model(request, model)
+    i, s = rt.info, rt.settings
     return {"name": i.model_id, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
             "max_batch_size": s.max_images_per_request,
             "input": [{"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [i.in_chans, i.image_size,
@@ -105,7 +104,7 @@ async def model_config(model: str, request: Request, ver: str | None = None) -> 
             "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [i.embed_dim]}],
             "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
                                  "preferred_batch_size": [s.max_batch_size]},
-            "instance_group": [{"count": 1, "kind": "KIND_GPU" if svc.engine.device == "cuda" else "KIND_CPU"}]}
+            "instance_group": [{"count": 1, "kind": "KIND_GPU" if rt.embedding.engine.device == "cuda" else "KIND_CPU"}]}
 
 
 def _keep_rows(t: dict[str, np.ndarray], batch: int) -> list[np.ndarray]:
@@ -153,17 +152,17 @@ def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> l
     "schema": inline_schema(InferRequest)}}}})
 @router.post("/models/{model}/versions/{ver}/infer")
 async def infer(model: str, request: Request, ver: str | None = None) -> Response:
-    svc = _model(request, model)
-    limit = svc.settings.max_body_bytes
+    rt = _model(request, model)
+    limit = rt.settings.max_body_bytes
     body = decompress(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
     head, binary = split_body(body, request.headers.get(HEADER))
     req = parse_request(head)
-    items = oip_items(svc.info, tensors(req, binary, limit), req.parameters.mask)
+    items = oip_items(rt.info, tensors(req, binary, limit), req.parameters.mask)
     if any(o.name != "embedding" for o in req.outputs or []):
         raise bad_request("the only output is 'embedding'")
-    emb = await svc.embed_items(items)
+    emb = await rt.embedding.embed_items(items)
     out: dict[str, Any] = {"name": "embedding", "datatype": "FP32", "shape": list(emb.shape)}
-    resp: dict[str, Any] = {"model_name": svc.info.model_id, "model_version": "1", "outputs": [out]}
+    resp: dict[str, Any] = {"model_name": rt.info.model_id, "model_version": "1", "outputs": [out]}
     if req.id is not None:
         resp["id"] = req.id
     if not req.binary_output:

@@ -1,7 +1,8 @@
-"""Bodies of the responses whose size a client controls (search hits, top-k predictions), written with a size cap.
+"""Bodies of the responses whose size a client controls (search hits, top-k predictions, pages of predictions over
+an index), written with a size cap from the plain results the services give back.
 
-The number of results is checked before any work (``queries x k`` against ``max_results_per_request``), and the body
-is then written hit by hit into a :class:`~msn_serve.http.jsonio.BoundedJson`, which stops at ``max_response_mb``: with
+The number of results is checked by the services before any work (:func:`msn_serve.limits.check_results`), and the
+body is then written hit by hit into a :class:`~msn_serve.http.jsonio.BoundedJson`, which stops at ``max_response_mb``: with
 metadata of up to ``max_metadata_bytes`` per hit, the count alone cannot bound the bytes.
 """
 from __future__ import annotations
@@ -10,15 +11,9 @@ import math
 
 import numpy as np
 
-from msn_serve.errors import too_large
-from msn_serve.http.jsonio import BoundedJson, dumps
-
-
-def check_results(queries: int, k: int, limit: int) -> None:
-    """413 when ``queries`` x ``k`` results (k already capped at what exists) exceed ``limit``."""
-    if queries * k > limit:
-        raise too_large(f"{queries} queries x k={k} = {queries * k} results exceed the limit of {limit} "
-                        "(max_results_per_request); send fewer queries or a smaller k")
+from msn_serve.classifiers.labelling import IndexPage
+from msn_serve.http.jsonio import BoundedJson
+from msn_serve.jsontext import dumps
 
 
 def number(x: float) -> str:
@@ -53,5 +48,26 @@ def predictions_body(head: dict, classes: list[str], top: np.ndarray, prob: np.n
     for r, (trow, prow) in enumerate(zip(top.tolist(), prob.tolist(), strict=True)):
         out.write(("[" if r == 0 else ",[") + ",".join(
             f'{{"label":{labels[j]},"probability":{number(p)}}}' for j, p in zip(trow, prow, strict=True)) + "]")
+    out.write("]}")
+    return out.body()
+
+
+def index_page_body(page: IndexPage, limit: int) -> bytes:
+    """``{"name", "index", "total", ..., "class_counts", "items": [{"id", "label", "probability", "margin", "top",
+    "metadata"?}, ...]}`` for one page of ``predict_index``."""
+    head = {"name": page.name, "index": page.index, "total": page.total, "offset": page.offset, "limit": page.limit,
+            "order": page.order, "next_offset": page.next_offset, "classes": page.classes,
+            "class_counts": page.class_counts}
+    labels = [dumps(c) for c in page.classes]
+    out = BoundedJson(limit)
+    out.write(dumps(head)[:-1] + ',"items":[')
+    rows = zip(page.ids.tolist(), page.label.tolist(), page.probability, page.margin, page.top.tolist(),
+               page.top_probability, strict=True)
+    for r, (i, label, prob, margin, top, top_prob) in enumerate(rows):
+        tops = ",".join(f'{{"label":{labels[j]},"probability":{number(p)}}}' for j, p in zip(top, top_prob,
+                                                                                           strict=True))
+        meta = page.metadata.get(i)
+        out.write(("," if r else "") + f'{{"id":{i},"label":{labels[label]},"probability":{number(prob)},'
+                  f'"margin":{number(margin)},"top":[{tops}]' + (f',"metadata":{meta}}}' if meta is not None else "}"))
     out.write("]}")
     return out.body()

@@ -1,22 +1,24 @@
-"""Native JSON/multipart endpoints: ``/embed``, ``/fewshot/...`` and ``/index/...``.
+"""Native JSON/multipart endpoints: ``/embed``, ``/fewshot/...``, ``/index/...`` and ``/admin/...``.
 
-A route reads the request into its model (:mod:`msn_serve.http.schemas`; the OpenAPI request bodies are generated from
-the same models), calls one :class:`~msn_serve.service.Service` method (which holds every policy: checks, conflicts,
-defaults, auto-created indexes, result limits) and shapes the response.
+A route checks the name in its path (404 for an unknown one before the body is read: :func:`_existing`), reads the
+request into its model (:mod:`msn_serve.http.schemas`; the OpenAPI request bodies are generated from the same models),
+calls one service method with plain arguments, and renders what it gives back (:mod:`msn_serve.http.responses`,
+:mod:`msn_serve.http.embed_response`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
-from msn_serve.http.embed_response import JSON, NPY, RAW, embeddings_response, json_response, negotiate
 from msn_serve.errors import NAME_RE, check_name
+from msn_serve.http.embed_response import NPY, RAW, embed_response, negotiate
 from msn_serve.http.inputs import M, read_request
 from msn_serve.http.jsonio import StrictJSONResponse
 from msn_serve.http.label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
-from msn_serve.publish import current_version
+from msn_serve.http.responses import index_page_body, predictions_body, search_body
 from msn_serve.http.schemas import (
     EmbedRequest,
     FitRequest,
@@ -26,12 +28,12 @@ from msn_serve.http.schemas import (
     PredictRequest,
     SearchRequest,
 )
-from msn_serve.service import Service
+from msn_serve.runtime import Runtime
 
 router = APIRouter(default_response_class=StrictJSONResponse)
 # Stated in the OpenAPI document (and checked again by check_name, in Python, on every use).
 Name = Annotated[str, Path(pattern=f"^{NAME_RE.pattern}$", description="classifier or index name")]
-
+CLASSIFIER, INDEX = "classifier name", "index name"
 
 BINARY_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {
     RAW: {"schema": {"type": "string", "format": "binary",
@@ -40,16 +42,21 @@ BINARY_DOC: dict[int | str, dict[str, Any]] = {200: {"content": {
 }}}
 
 
-def _svc(request: Request) -> Service:
-    return request.app.state.service
+def _rt(request: Request) -> Runtime:
+    return request.app.state.runtime
 
 
-async def _read(request: Request, model: type[M], *, writes: bool = False) -> tuple[Service, M]:
+def _existing(lookup: Callable[[str], Any], name: str, what: str) -> Any:
+    """What ``lookup`` finds under ``name``, after the name check: 422 for a malformed name, 404 for an unknown one."""
+    return lookup(check_name(name, what))
+
+
+async def _read(request: Request, model: type[M], *, writes: bool = False) -> M:
     """The request's validated model; a write on a read-only replica is refused before its body is read."""
-    svc = _svc(request)
+    rt = _rt(request)
     if writes:
-        svc.require_writer()
-    return svc, await read_request(request, model, svc.settings)
+        rt.require_writer()
+    return await read_request(request, model, rt.settings, rt.info.grid)
 
 
 def _json_bytes(body: bytes) -> Response:
@@ -63,15 +70,10 @@ async def embed(request: Request) -> Response:
     the ``keep_idx`` each image was embedded with. ``Accept: application/octet-stream`` (raw little-endian
     float32, shape in ``X-Embedding-Shape``) or ``application/x-npy`` returns the matrix alone, without JSON."""
     media = negotiate(request.headers.get("accept"))  # a 406 before any work
-    svc, req = await _read(request, EmbedRequest)
-    emb, keeps = await svc.embed(req)
-    kept = [int(k.size) for k in keeps]
-    if media != JSON:
-        return embeddings_response(media, emb, model_id=svc.info.model_id, normalized=req.normalize,
-                                   kept_tokens=kept)
-    head = {"model_id": svc.info.model_id, "dim": svc.info.embed_dim, "count": len(keeps),
-            "normalized": req.normalize, "kept_tokens": kept}
-    return json_response(head, emb, keeps if "mask" in req.model_fields_set else None)
+    rt = _rt(request)
+    req = await _read(request, EmbedRequest)
+    emb = await rt.embedding.embed_images(req.images, req.keep_idx, normalize=req.normalize)
+    return embed_response(media, emb, req, rt.info)
 
 
 # ---- few-shot classifiers ---------------------------------------------------------------------------------------
@@ -79,28 +81,33 @@ async def embed(request: Request) -> Response:
 async def fewshot_fit(request: Request) -> StrictJSONResponse:
     """Fit a cyanure multinomial logistic regression on row-centred, L2-normalised embeddings (in a worker
     process, so the server keeps answering during long fits)."""
-    svc, req = await _read(request, FitRequest, writes=True)
-    clf = await svc.fit_classifier(req)
+    req = await _read(request, FitRequest, writes=True)
+    clf = await _rt(request).classifiers.fit(req.name, req.labels, req.inputs(), lambd=req.lambd,
+                                             overwrite=req.overwrite, index=req.index, ids=req.ids)
     return StrictJSONResponse(status_code=201, content={"name": clf.name, "classes": clf.classes, **clf.info})
 
 
 @router.post("/fewshot/{name}/predict", tags=["few-shot"], openapi_extra=PredictRequest.openapi_body())
 async def fewshot_predict(name: Name, request: Request) -> Response:
     """Top-k labels with probabilities for each image/embedding: ``{"predictions": [[{"label", "probability"}]]}``."""
-    svc = _svc(request)
-    svc.classifiers.get(check_name(name, "classifier name"))  # 404 before reading the body
-    _, req = await _read(request, PredictRequest)
-    return _json_bytes(await svc.predict(name, req))
+    rt = _rt(request)
+    _existing(rt.classifiers.get, name, CLASSIFIER)
+    req = await _read(request, PredictRequest)
+    p = await rt.classifiers.predict(name, req.inputs(), req.k)
+    head = {"name": name, "model_id": rt.info.model_id}
+    return _json_bytes(await rt.work.run(predictions_body, head, p.classes, p.top, p.probability,
+                                         rt.settings.max_response_bytes))
 
 
 @router.post("/fewshot/{name}/suggest", tags=["label loop"], openapi_extra=SuggestRequest.openapi_body())
 async def fewshot_suggest(name: Name, request: Request) -> StrictJSONResponse:
     """The next ids to label for this classifier: uncertain ones, kept diverse; never the ids it was fitted on:
     ``{"ids", "uncertainty", "available", ...}``."""
-    svc = _svc(request)
-    svc.classifiers.get(check_name(name, "classifier name"))  # 404 before reading the body
-    _, req = await _read(request, SuggestRequest)
-    return StrictJSONResponse(await svc.suggest(name, req))
+    rt = _rt(request)
+    _existing(rt.classifiers.get, name, CLASSIFIER)
+    req = await _read(request, SuggestRequest)
+    return StrictJSONResponse(await rt.classifiers.suggest(name, index=req.index, n=req.n, strategy=req.strategy,
+                                                           seed=req.seed, exclude_ids=req.exclude_ids))
 
 
 @router.post("/fewshot/{name}/predict_index", tags=["label loop"],
@@ -108,53 +115,53 @@ async def fewshot_suggest(name: Name, request: Request) -> StrictJSONResponse:
 async def fewshot_predict_index(name: Name, request: Request) -> Response:
     """One page of predictions over an index's stored items, with class counts over the whole index:
     ``{"total", "next_offset", "class_counts", "items": [{"id", "label", "probability", "margin", "top"}]}``."""
-    svc = _svc(request)
-    svc.classifiers.get(check_name(name, "classifier name"))  # 404 before reading the body
-    _, req = await _read(request, PredictIndexRequest)
-    return _json_bytes(await svc.predict_index(name, req))
+    rt = _rt(request)
+    _existing(rt.classifiers.get, name, CLASSIFIER)
+    req = await _read(request, PredictIndexRequest)
+    page = await rt.classifiers.predict_index(name, index=req.index, offset=req.offset, limit=req.limit, k=req.k,
+                                              order=req.order)
+    return _json_bytes(await rt.work.run(index_page_body, page, rt.settings.max_response_bytes))
 
 
 @router.get("/fewshot", tags=["few-shot"])
 async def fewshot_list(request: Request) -> dict[str, Any]:
-    return {"classifiers": _svc(request).classifiers.describe()}
+    return {"classifiers": _rt(request).classifiers.describe()}
 
 
 @router.get("/fewshot/{name}", tags=["few-shot"])
 async def fewshot_get(name: Name, request: Request) -> dict[str, Any]:
-    clf = _svc(request).classifiers.get(check_name(name, "classifier name"))
+    clf = _existing(_rt(request).classifiers.get, name, CLASSIFIER)
     return {"name": clf.name, "classes": clf.classes, **clf.info}
 
 
 @router.delete("/fewshot/{name}", tags=["few-shot"])
 async def fewshot_delete(name: Name, request: Request) -> dict[str, Any]:
-    svc = _svc(request)  # the store refuses on a read-only replica
-    await svc.run_work(svc.classifiers.delete, check_name(name, "classifier name"))
+    await _rt(request).classifiers.delete(check_name(name, CLASSIFIER))  # the store refuses on a reader
     return {"deleted": name}
 
 
 # ---- FAISS indexes ----------------------------------------------------------------------------------------------
 @router.get("/index", tags=["index"])
 async def index_list(request: Request) -> dict[str, Any]:
-    return {"indexes": _svc(request).indexes.describe()}
+    return {"indexes": _rt(request).indexes.describe()}
 
 
 @router.post("/index/{name}", status_code=201, tags=["index"], openapi_extra=IndexCreateRequest.openapi_body())
 async def index_create(name: Name, request: Request) -> StrictJSONResponse:
     """Create an index (its options are fixed from then on)."""
-    svc, req = await _read(request, IndexCreateRequest, writes=True)
-    idx = await svc.run_work(lambda: svc.indexes.create(check_name(name, "index name"), req.spec()))
-    return StrictJSONResponse(status_code=201, content=idx.stats())
+    req = await _read(request, IndexCreateRequest, writes=True)
+    stats = await _rt(request).indexes.create(check_name(name, INDEX), req.spec())
+    return StrictJSONResponse(status_code=201, content=stats)
 
 
 @router.get("/index/{name}", tags=["index"])
 async def index_stats(name: Name, request: Request) -> dict[str, Any]:
-    return _svc(request).indexes.get(check_name(name, "index name")).stats()
+    return _existing(_rt(request).indexes.get, name, INDEX).stats()
 
 
 @router.delete("/index/{name}", tags=["index"])
 async def index_drop(name: Name, request: Request) -> dict[str, Any]:
-    svc = _svc(request)  # the store refuses on a read-only replica
-    await svc.run_work(svc.indexes.drop, check_name(name, "index name"))
+    await _rt(request).indexes.drop(check_name(name, INDEX))  # the store refuses on a reader
     return {"deleted": name}
 
 
@@ -162,49 +169,51 @@ async def index_drop(name: Name, request: Request) -> dict[str, Any]:
 async def index_add(name: Name, request: Request) -> dict[str, Any]:
     """Add vectors (or embedded images) under external ids, replacing ids already there; creates a default flat
     index if needed."""
-    svc, req = await _read(request, IndexAddRequest, writes=True)
-    return await svc.add_to_index(name, req)
+    req = await _read(request, IndexAddRequest, writes=True)
+    return await _rt(request).indexes.add(check_name(name, INDEX), req.ids, req.inputs(), req.metadata)
 
 
 @router.post("/index/{name}/search", tags=["index"], openapi_extra=SearchRequest.openapi_body())
 async def index_search(name: Name, request: Request) -> Response:
     """k nearest neighbours of each query image/vector: ``results[i] = [{id, score, metadata?}, ...]``."""
-    svc = _svc(request)
-    svc.indexes.get(check_name(name, "index name"))  # 404 before reading the body
-    _, req = await _read(request, SearchRequest)
-    return _json_bytes(await svc.search_index(name, req))
+    rt = _rt(request)
+    _existing(rt.indexes.get, name, INDEX)
+    req = await _read(request, SearchRequest)
+    hits = await rt.indexes.search(name, req.inputs(), k=req.k, nprobe=req.nprobe, ef_search=req.ef_search)
+    head = {"name": name, "metric": hits.metric, "k": req.k}
+    return _json_bytes(await rt.work.run(search_body, head, hits.scores, hits.ids, hits.metadata,
+                                         rt.settings.max_response_bytes))
 
 
 @router.post("/index/{name}/select", tags=["label loop"], openapi_extra=SelectRequest.openapi_body())
 async def index_select(name: Name, request: Request) -> StrictJSONResponse:
     """What to label first: ``n`` diverse, representative stored ids (deterministic for a seed): ``{"ids", ...}``."""
-    svc = _svc(request)
-    svc.indexes.get(check_name(name, "index name"))  # 404 before reading the body
-    _, req = await _read(request, SelectRequest)
-    return StrictJSONResponse(await svc.select(name, req))
+    rt = _rt(request)
+    _existing(rt.indexes.get, name, INDEX)
+    req = await _read(request, SelectRequest)
+    return StrictJSONResponse(await rt.classifiers.select(name, n=req.n, strategy=req.strategy, seed=req.seed,
+                                                          exclude_ids=req.exclude_ids))
 
 
 @router.post("/index/{name}/delete", tags=["index"], openapi_extra=IndexDeleteRequest.openapi_body())
 async def index_delete_ids(name: Name, request: Request) -> dict[str, Any]:
-    svc, req = await _read(request, IndexDeleteRequest, writes=True)
-    return await svc.remove_from_index(name, req)
+    req = await _read(request, IndexDeleteRequest, writes=True)
+    return await _rt(request).indexes.remove(check_name(name, INDEX), req.ids)
 
 
 # ---- replica consistency (docs/deploy.md) -----------------------------------------------------------------------
 @router.post("/admin/snapshot", tags=["admin"])
 async def admin_snapshot(request: Request) -> dict[str, Any]:
     """Writer: publish all indexes and classifiers as a new version under ``published/`` (readers load it)."""
-    return await _svc(request).publish()
+    return await _rt(request).snapshots.publish()
 
 
 @router.post("/admin/reload", tags=["admin"])
 async def admin_reload(request: Request) -> dict[str, Any]:
     """Reader: switch atomically to the newest published version (also on SIGHUP); in-flight requests finish."""
-    return await _svc(request).reload()
+    return await _rt(request).snapshots.reload()
 
 
 @router.get("/admin/snapshot", tags=["admin"])
 async def admin_snapshot_status(request: Request) -> dict[str, Any]:
-    svc = _svc(request)
-    return {"role": "reader" if svc.read_only else "writer", "serving": svc.snapshot_version,
-            "current": await svc.run_work(current_version, svc.settings.data_dir)}
+    return await _rt(request).snapshots.status()

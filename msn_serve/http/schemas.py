@@ -4,7 +4,9 @@ Types, ranges and the configurable limits (``Settings``, passed as validation co
 the OpenAPI request bodies are generated from the same models (:meth:`RequestModel.openapi_body`). Limits that bound
 what a request makes the server hold (rows, ids, metadata bytes) are checked *before* element-wise work and answer
 413 naming the setting; wrong types and ranges answer 422 naming the field. A new endpoint is a new model here, a
-route and a :class:`~msn_serve.service.Service` method.
+route and a service method. Models stay here: a route turns one into plain arguments (:meth:`RequestModel.inputs`,
+fields) for the services, which never see it. A ``mask`` is resolved here to one ``keep_idx`` row per image (a bad
+mask is a 422 of the parsing, like any other wrong field), once the images it applies to are known.
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -25,123 +26,25 @@ from pydantic import (
     model_validator,
 )
 
+from msn_core.masks import MaskError, resolve_masks
 from msn_serve.config import Settings
-from msn_serve.errors import NAME_RE, ApiError, brief, too_large, unprocessable
-from msn_serve.http.jsonio import MAX_DEPTH, depth, dumps, loads
+from msn_serve.embedding.service import Inputs
+from msn_serve.errors import NAME_RE, ApiError, brief, unprocessable
+from msn_serve.http.fields import (
+    IDS_SCHEMA,
+    Ids,
+    Int,
+    K,
+    Mask,
+    count,
+    ids,
+    int_in,
+    matrix_of,
+    metadata,
+    settings_of,
+)
+from msn_serve.http.jsonio import loads
 from msn_serve.indexes.metadata import Texts
-
-MAX_ID = 2**63 - 1
-F32_MAX = float(np.finfo(np.float32).max)
-MATRIX_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "array", "items": {"type": "number"}}}
-IDS_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}}
-MASK_DOC = ('{"ratio": 0.7, "seed": 1} | {"focal": {"size": [4, 4]}} | {"keep_idx": [...]} | {"bitmap": [[0/1]]} '
-            "(1 = kept); or one per image (list). Seeded ratio masks are "
-            "sort(numpy.random.default_rng(seed).permutation(N)[:K])")
-
-
-def _settings(info: ValidationInfo) -> Settings:
-    return info.context["settings"]
-
-
-def _no_bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("expected an integer, not true/false")  # noqa: TRY004 - pydantic reports ValueErrors
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_no_bool)]
-
-
-def int_in(lo: int, hi: int) -> Any:
-    """An integer in ``[lo, hi]`` (not a boolean); the bounds come first so the JSON schema states them."""
-    return Annotated[int, Field(ge=lo, le=hi), BeforeValidator(_no_bool)]
-
-Mask = Annotated[Any, WithJsonSchema({"description": MASK_DOC})]
-
-
-def _at_most_max_k(v: int, info: ValidationInfo) -> int:
-    if v > _settings(info).max_k:
-        raise ValueError(f"at most {_settings(info).max_k} (max_k)")
-    return v
-
-
-K = Annotated[int, BeforeValidator(_no_bool), AfterValidator(_at_most_max_k)]
-
-
-def _count(value: Any, what: str, limit: int, setting: str) -> list:
-    """A non-empty JSON list no longer than ``limit`` (413 naming ``setting`` beyond), checked before its items."""
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"expected a non-empty list of {what}")
-    if len(value) > limit:
-        raise too_large(f"{len(value)} {what} exceed the limit of {limit} ({setting})")
-    return value
-
-
-def matrix(value: Any, limit: int, setting: str) -> np.ndarray | None:
-    """Equal-length rows of finite numbers within float32 range -> float32 (n, d); ``None`` passes through."""
-    if value is None:
-        return None
-    _count(value, "vectors", limit, setting)
-    if not all(isinstance(row, list) for row in value):
-        raise ValueError("expected a list of vectors (lists of numbers)")
-    try:
-        raw = np.asarray(value)
-        if raw.dtype.kind not in "iufO" or raw.ndim != 2:
-            raise TypeError
-        arr = raw.astype(np.float64)  # object arrays hold ints too large for int64; 10**400 overflows here
-    except OverflowError:
-        raise ValueError("a number is too large to be a float (|x| <= 3.4e38)") from None
-    except (TypeError, ValueError):
-        raise ValueError("vectors must be equal-length lists of numbers") from None
-    if arr.shape[1] < 1:
-        raise ValueError("vectors must not be empty")
-    if not np.isfinite(arr).all() or np.abs(arr).max() > F32_MAX:
-        raise ValueError("vectors must hold finite numbers within the float32 range (|x| <= 3.4e38)")
-    return arr.astype(np.float32)
-
-
-def matrix_of(setting: str) -> Any:
-    """A matrix field whose row count is bounded by the setting named ``setting`` (413 beyond)."""
-    def check(value: Any, info: ValidationInfo) -> np.ndarray | None:
-        return matrix(value, getattr(_settings(info), setting), setting)
-
-    return Annotated[Any, BeforeValidator(check), WithJsonSchema(MATRIX_SCHEMA)]
-
-
-def ids(value: Any, limit: int) -> np.ndarray:
-    _count(value, "ids", limit, "max_vectors_per_request")
-    if not all(type(i) is int and 0 <= i <= MAX_ID for i in value):
-        bad = next(i for i in value if not (type(i) is int and 0 <= i <= MAX_ID))
-        raise ValueError(f"ids must be integers in [0, {MAX_ID}], got {brief(bad)}")
-    arr = np.asarray(value, dtype=np.int64)
-    if np.unique(arr).size != arr.size:
-        raise ValueError("ids contain duplicates")
-    return arr
-
-
-def metadata(value: Any, count_limit: int, byte_limit: int) -> Texts | None:
-    """One JSON value (or null) per id, stored as compact JSON text no longer than ``byte_limit`` bytes."""
-    if value is None:
-        return None
-    _count(value, "metadata entries", count_limit, "max_vectors_per_request")
-    out = Texts()
-    for i, item in enumerate(value):
-        if item is None:
-            out.append(None)
-            continue
-        if depth(item) > MAX_DEPTH:
-            raise ValueError(f"entry {i} is nested deeper than {MAX_DEPTH} levels")
-        text = dumps(item)
-        size = len(text.encode())
-        if size > byte_limit:
-            raise too_large(f"metadata[{i}]: {size} bytes of JSON exceed the limit of {byte_limit} per id "
-                            "(max_metadata_bytes)")
-        out.append(text)
-    return out
-
-
-Ids = Annotated[Any, BeforeValidator(lambda v, info: ids(v, _settings(info).max_vectors_per_request)),
-                WithJsonSchema(IDS_SCHEMA)]
 
 
 class RequestModel(BaseModel):
@@ -152,16 +55,29 @@ class RequestModel(BaseModel):
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset()  # multipart text that must be JSON (lists, objects)
     QUERY: ClassVar[tuple[str, ...]] = ()  # query parameters accepted as fields (the body wins)
     IMAGES: ClassVar[bool] = True  # the endpoint takes images ('image' / 'images')
+    VECTORS: ClassVar[str | None] = None  # the field that carries vectors instead of images
     _images: list[tuple[str, bytes]] = PrivateAttr(default_factory=list)
+    _keep_idx: list[np.ndarray] | None = PrivateAttr(default=None)
 
     @property
     def images(self) -> list[tuple[str, bytes]]:
         return self._images
 
+    @property
+    def keep_idx(self) -> list[np.ndarray] | None:
+        """One row of kept patch indices per image (from the mask), once resolved."""
+        return self._keep_idx
+
+    def inputs(self) -> Inputs:
+        """The images (with their kept patches) or vectors this request sends, as the services take them."""
+        vectors = getattr(self, self.VECTORS) if self.VECTORS else None
+        return Inputs(images=self._images, keep_idx=self._keep_idx, vectors=vectors)
+
     @classmethod
     def from_fields(cls, fields: dict[str, Any], settings: Settings, *, multipart: bool = False,
-                    images: list[tuple[str, bytes]] | None = None):
-        """Validate ``fields`` (multipart text converted first); a 422 names every wrong field."""
+                    images: list[tuple[str, bytes]] | None = None, grid: int | None = None):
+        """Validate ``fields`` (multipart text converted first); a 422 names every wrong field. With images and
+        the model's patch ``grid``, the ``mask`` is resolved to their ``keep_idx`` rows (422 when it is wrong)."""
         if images and not cls.IMAGES:
             raise unprocessable("this endpoint takes no images")
         if multipart:
@@ -171,7 +87,19 @@ class RequestModel(BaseModel):
         except ValidationError as e:
             raise validation_error(e) from None
         req._images = list(images or [])
+        if grid is not None:
+            req._resolve_masks(grid)
         return req
+
+    def _resolve_masks(self, grid: int) -> None:
+        """``keep_idx`` of the images that will be embedded: none when there are no images, or when vectors are
+        sent too (the service answers that one is one too many)."""
+        if not self._images or (self.VECTORS and getattr(self, self.VECTORS) is not None):
+            return
+        try:
+            self._keep_idx = resolve_masks(getattr(self, "mask", None), len(self._images), grid)
+        except MaskError as e:
+            raise unprocessable(str(e)) from None
 
     @classmethod
     def _from_text(cls, key: str, text: str) -> Any:
@@ -244,17 +172,22 @@ class EmbedRequest(RequestModel):
     normalize: bool = Field(False, description="L2-normalise the embeddings")
 
 
+def _fit_ids(value: Any, info: ValidationInfo) -> np.ndarray | None:
+    return None if value is None else ids(value, settings_of(info).max_fit_samples)
+
+
 class FitRequest(RequestModel):
     """``POST /fewshot/fit``: images, embeddings, or ids of items stored in an index; one label each."""
 
     TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"name", "index"})
+    VECTORS: ClassVar[str | None] = "embeddings"
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"labels", "embeddings", "mask", "ids"})
     name: str = Field(description=f"classifier name, matching {NAME_RE.pattern}")
     labels: Annotated[list[str], WithJsonSchema({"type": "array", "minItems": 1, "items": {"type": "string"}})] = \
         Field(description="one label (string or integer) per image/embedding/id")
     embeddings: matrix_of("max_fit_samples") = Field(None, description="precomputed embeddings instead of images")
     index: str | None = Field(None, description="fit on the stored vectors of these ids of this index (with ids)")
-    ids: Annotated[Any, BeforeValidator(lambda v, info: None if v is None else ids(v, _settings(info).max_fit_samples)),
+    ids: Annotated[Any, BeforeValidator(_fit_ids),
                    WithJsonSchema(IDS_SCHEMA)] = Field(None, description="ids of the index's items, one per label")
     lambd: float | None = Field(None, gt=0, allow_inf_nan=False, description="L2 strength; cyanure lambda_1 = "
                                 "lambd / n (MSN protocol); default MSN_SERVE_DEFAULT_LAMBD (0.00025)")
@@ -279,8 +212,8 @@ class FitRequest(RequestModel):
     @field_validator("labels", mode="before")
     @classmethod
     def _labels(cls, v: Any, info: ValidationInfo) -> list[str]:
-        s = _settings(info)
-        _count(v, "labels", s.max_fit_samples, "max_fit_samples")
+        s = settings_of(info)
+        count(v, "labels", s.max_fit_samples, "max_fit_samples")
         out = []
         for i, label in enumerate(v):
             if isinstance(label, bool) or not isinstance(label, (str, int)):
@@ -295,6 +228,7 @@ class FitRequest(RequestModel):
 class PredictRequest(RequestModel):
     """``POST /fewshot/{name}/predict``."""
 
+    VECTORS: ClassVar[str | None] = "embeddings"
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"embeddings", "mask"})
     QUERY: ClassVar[tuple[str, ...]] = ("k",)
     embeddings: matrix_of("max_vectors_per_request") = Field(None, description="instead of images")
@@ -332,6 +266,7 @@ class IndexCreateRequest(RequestModel):
 class IndexAddRequest(RequestModel):
     """``POST /index/{name}/add``: re-adding an id replaces its vector and metadata."""
 
+    VECTORS: ClassVar[str | None] = "vectors"
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"ids", "vectors", "metadata", "mask"})
     ids: Ids = Field(description="one non-negative int64 id per image/vector")
     vectors: matrix_of("max_vectors_per_request") = Field(None, description="instead of images")
@@ -342,13 +277,14 @@ class IndexAddRequest(RequestModel):
     @field_validator("metadata", mode="before")
     @classmethod
     def _metadata(cls, v: Any, info: ValidationInfo) -> Texts | None:
-        s = _settings(info)
+        s = settings_of(info)
         return metadata(v, s.max_vectors_per_request, s.max_metadata_bytes)
 
 
 class SearchRequest(RequestModel):
     """``POST /index/{name}/search``."""
 
+    VECTORS: ClassVar[str | None] = "vectors"
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"vectors", "mask"})
     QUERY: ClassVar[tuple[str, ...]] = ("k", "nprobe", "ef_search")
     vectors: matrix_of("max_queries_per_search") = Field(None, description="query vectors (at most "

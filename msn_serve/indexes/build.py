@@ -27,12 +27,11 @@ import faiss
 import numpy as np
 
 from msn_core.durable import fsync_path
-
 from msn_serve.errors import NAME_RE
 from msn_serve.indexes.config import IndexConfig, search_params
 from msn_serve.indexes.files import write_index_dir
-from msn_serve.indexes.tuning import GB, Plan, choose, plans, select
 from msn_serve.indexes.storage import lock_data_dir, remove_durably
+from msn_serve.indexes.tuning import GB, Plan, choose, plans, select
 
 
 class BuildError(Exception):

@@ -18,9 +18,8 @@ import faiss
 import numpy as np
 
 from msn_core.durable import fsync_path
-
-from msn_serve.http.jsonio import dumps
 from msn_serve.indexes.metadata import Metadata, Texts, to_texts
+from msn_serve.jsontext import dumps
 
 CONFIG_FILE, INDEX_FILE, STATE_FILE = "config.json", "index.faiss", "state.npz"
 IVF_TYPES = ("ivf", "ivfpq")

@@ -32,10 +32,9 @@ import faiss
 import numpy as np
 
 from msn_core.durable import atomic_write, fsync_path
-
+from msn_serve.errors import conflict, not_found, read_only_replica, too_large, unprocessable
 from msn_serve.indexes import auto as index_auto
 from msn_serve.indexes import gpu as index_gpu
-from msn_serve.errors import conflict, not_found, read_only_replica, too_large, unprocessable
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
 from msn_serve.indexes.files import (
     INDEX_FILE,

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from msn_serve.http.jsonio import dumps
+from msn_serve.jsontext import dumps
 
 
 class Texts(list):

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from msn_core.durable import fsync_path, write_all
-
 from msn_serve.errors import storage_error
 
 log = logging.getLogger("msn_serve.indexes.storage")

@@ -220,10 +220,30 @@ def test_dockerignore_keeps_context_small_and_complete():
         assert _ignored(heavy, patterns), f"{heavy} would be sent to the Docker daemon"
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("readme")
     for _, keyword, rest in _instructions():
-        if keyword != "COPY" or rest.startswith("--from"):
+        if keyword == "RUN":  # bind mounts from the build context (those `from=` a stage are not the context)
+            mounts = re.findall(r"--mount=(\S+)", rest)
+            sources = [dict(kv.split("=", 1) for kv in m.split(",") if "=" in kv) for m in mounts]
+            sources = [s["source"] for s in sources if s.get("type") == "bind" and "from" not in s]
+        elif keyword != "COPY" or rest.startswith("--from"):
             continue
-        *sources, _ = rest.split()
+        else:
+            *sources, _ = rest.split()
         for source in sources:
             source = source.rstrip("/")
             assert not _ignored(source, patterns), f"COPY {source} is excluded by .dockerignore"
             assert (ROOT / source).exists() or source == readme, f"COPY source {source} missing"
+
+
+def test_shared_steps_written_once():
+    """Both base images run the one setup script; every target stands on a base, none copies the source tree."""
+    stages = _stages()
+    script = "deploy/docker/base.sh"
+    subprocess.run(["sh", "-n", str(ROOT / script)], check=True)
+    for base in ("python-base", "cuda-base"):
+        runs = [rest for keyword, rest in stages[base] if keyword == "RUN"]
+        assert runs == [f"--mount=type=bind,source={script},target=/tmp/base.sh sh /tmp/base.sh"], base
+    parents = {target: stages[target][0][1] for target in FINAL_TARGETS}
+    assert parents == {"serve": "python-base", "train": "python-base", "serve-gpu": "cuda-base"}
+    for target in FINAL_TARGETS:
+        assert ("COPY", "--from=source /src /src") not in stages[target], f"{target}: mount the source, do not copy it"
+        assert any(k == "RUN" and "pip install" in r and "from=source,source=/src" in r for k, r in stages[target])

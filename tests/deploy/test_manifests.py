@@ -1,9 +1,8 @@
 """Offline checks of deploy/: Kubernetes manifests, the PyTorchJob, compose.yaml, prometheus.yml and the SLURM job.
 
-No kubectl, kustomize, cluster or Docker engine runs here, so:
-- the kustomizations are rendered by `kustomize_build` below, a small loader implementing exactly the kustomize
-  features deploy/k8s uses (resources incl. bases, `patches` with strategic-merge or JSON6902 content and
-  kind/name/labelSelector targets, `images`, `labels`, `namespace`); anything else in a kustomization fails loudly;
+No cluster or Docker engine runs here, so:
+- the kustomizations are rendered by the real kustomize built into `kubectl kustomize` (Debian's `kubernetes-client`,
+  which `make setup` installs; it needs no cluster);
 - every rendered object is validated with `kubernetes_validate.validate(..., strict=True)` (schemas bundled with the
   package, offline) against the oldest and newest Kubernetes versions named below; an unknown kind fails the test
   (the CLI would only warn);
@@ -14,6 +13,7 @@ No kubectl, kustomize, cluster or Docker engine runs here, so:
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import shutil
 import subprocess
@@ -36,241 +36,28 @@ DOCKERFILE = ROOT / "Dockerfile"
 # Oldest Kubernetes minor we claim (autoscaling/v2, policy/v1, fsGroupChangePolicy are all GA there) and the
 # newest whose schemas kubernetes-validate ships.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A minimal kustomize
-# ---------------------------------------------------------------------------------------------------------------
-
-SUPPORTED_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches", "images", "labels", "namespace"}
-
-# patchMergeKey of the list fields the manifests patch (from the Kubernetes API's strategic-merge metadata).
-# Lists not named here are replaced wholesale, as kustomize does for lists without a merge key (tolerations, args).
-MERGE_KEYS = {
-    "containers": "name",
-    "initContainers": "name",
-    "ephemeralContainers": "name",
-    "env": "name",
-    "volumes": "name",
-    "volumeMounts": "mountPath",
-    "volumeDevices": "devicePath",
-    "ports": "containerPort",
-    "imagePullSecrets": "name",
-    "hostAliases": "ip",
-    "topologySpreadConstraints": "topologyKey",
-}
-
-
-def strategic_merge(base, patch, field: str | None = None):
-    """Kubernetes strategic merge patch (the subset needed: maps merge, keyed lists merge, null deletes)."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        directive = patch.get("$patch")
-        if directive == "replace":
-            return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
-        if directive is not None:
-            raise NotImplementedError(f"$patch: {directive} on a map")
-        out = copy.deepcopy(base)
-        for key, value in patch.items():
-            if key.startswith("$"):
-                raise NotImplementedError(f"strategic-merge directive {key}")
-            if value is None:
-                out.pop(key, None)
-            elif key in out:
-                out[key] = strategic_merge(out[key], value, key)
-            else:
-                out[key] = copy.deepcopy(value)
-        return out
-    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
-        merge_key = MERGE_KEYS[field]
-        out = copy.deepcopy(base)
-        for item in patch:
-            if not isinstance(item, dict) or merge_key not in item:
-                raise ValueError(f"item of list {field!r} lacks its merge key {merge_key!r}: {item!r}")
-            index = next((i for i, old in enumerate(out) if old.get(merge_key) == item[merge_key]), None)
-            if item.get("$patch") == "delete":
-                if index is not None:
-                    del out[index]
-            elif index is None:
-                out.append(copy.deepcopy(item))
-            else:
-                out[index] = strategic_merge(out[index], item, None)
-        return out
-    return copy.deepcopy(patch)
-
-
-def _pointer(path: str) -> list[str]:
-    if not path.startswith("/"):
-        raise ValueError(f"JSON pointer must start with '/': {path!r}")
-    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
-
-
-def json6902(doc: dict, ops: list[dict]) -> dict:
-    """RFC 6902 JSON patch: add, replace, remove, test."""
-    doc = copy.deepcopy(doc)
-    for op in ops:
-        *parents, last = _pointer(op["path"])
-        node = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        kind = op["op"]
-        if kind == "add":
-            if isinstance(node, list):
-                node.insert(len(node) if last == "-" else int(last), copy.deepcopy(op["value"]))
-            else:
-                node[last] = copy.deepcopy(op["value"])
-        elif kind == "replace":
-            key = int(last) if isinstance(node, list) else last
-            if isinstance(node, dict) and key not in node:
-                raise KeyError(f"replace of missing path {op['path']}")
-            node[key] = copy.deepcopy(op["value"])
-        elif kind == "remove":
-            del node[int(last) if isinstance(node, list) else last]
-        elif kind == "test":
-            actual = node[int(last) if isinstance(node, list) else last]
-            if actual != op["value"]:
-                raise AssertionError(f"test failed at {op['path']}: {actual!r} != {op['value']!r}")
-        else:
-            raise NotImplementedError(f"JSON6902 op {kind}")
-    return doc
-
-
-def _selector_matches(selector: str, labels: dict) -> bool:
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            key, value = (s.strip() for s in term.split("!=", 1))
-            if labels.get(key) == value:
-                return False
-        elif "=" in term:
-            key, value = (s.strip() for s in term.replace("==", "=").split("=", 1))
-            if labels.get(key) != value:
-                return False
-        elif labels.get(term) is None:
-            return False
-    return True
-
-
-def select(resources: list[dict], target: dict) -> list[dict]:
-    unknown = set(target) - {"group", "version", "kind", "name", "namespace", "labelSelector"}
-    if unknown:
-        raise NotImplementedError(f"patch target fields {sorted(unknown)}")
-    chosen = []
-    for res in resources:
-        group, _, version = res["apiVersion"].rpartition("/")
-        meta = res.get("metadata", {})
-        if "kind" in target and res["kind"] != target["kind"]:
-            continue
-        if "group" in target and group != target["group"]:
-            continue
-        if "version" in target and version != target["version"]:
-            continue
-        if "name" in target and not re.fullmatch(target["name"], meta.get("name", "")):
-            continue
-        if "namespace" in target and meta.get("namespace") != target["namespace"]:
-            continue
-        if "labelSelector" in target and not _selector_matches(
-            target["labelSelector"], meta.get("labels", {})
-        ):
-            continue
-        chosen.append(res)
-    return chosen
-
-
-def _split_image(image: str) -> tuple[str, str | None, str | None]:
-    name, digest = (image.split("@", 1) + [None])[:2] if "@" in image else (image, None)
-    tag = None
-    if ":" in name.rsplit("/", 1)[-1]:
-        name, tag = name.rsplit(":", 1)
-    return name, tag, digest
-
-
-def _set_images(node, images: list[dict]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("containers", "initContainers") and isinstance(value, list):
-                for container in value:
-                    if "image" not in container:
-                        continue
-                    name, tag, digest = _split_image(container["image"])
-                    for rule in images:
-                        if rule["name"] == name:
-                            name = rule.get("newName", name)
-                            if "digest" in rule:
-                                tag, digest = None, rule["digest"]
-                            elif "newTag" in rule:
-                                tag, digest = rule["newTag"], None
-                    container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
-            else:
-                _set_images(value, images)
-    elif isinstance(node, list):
-        for item in node:
-            _set_images(item, images)
-
-
-def kustomize_build(directory: Path) -> list[dict]:
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unsupported = set(kustomization) - SUPPORTED_KUSTOMIZATION_KEYS
-    if unsupported:
-        raise NotImplementedError(
-            f"{directory}: kustomization fields {sorted(unsupported)} not supported here"
-        )
-    resources: list[dict] = []
-    for entry in kustomization.get("resources", []):
-        path = (directory / entry).resolve()
-        if path.is_dir():
-            resources += kustomize_build(path)
-        else:
-            resources += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-    for patch in kustomization.get("patches", []):
-        if ("path" in patch) == ("patch" in patch):
-            raise ValueError(f"{directory}: a patch needs exactly one of path/patch: {patch}")
-        content = yaml.safe_load(
-            patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text()
-        )
-        target = patch.get("target")
-        if isinstance(content, list):  # JSON6902
-            if not target:
-                raise ValueError(f"{directory}: JSON6902 patch without a target")
-            matched = select(resources, target)
-            for res in matched:
-                resources[resources.index(res)] = json6902(res, content)
-        else:  # strategic merge
-            if target:
-                matched = select(resources, target)
-                content = copy.deepcopy(content)
-                content.get("metadata", {}).pop("name", None)  # kustomize ignores it when a target is given
-            else:
-                matched = select(
-                    resources, {"kind": content["kind"], "name": re.escape(content["metadata"]["name"])}
-                )
-            for res in matched:
-                resources[resources.index(res)] = strategic_merge(res, content)
-        if not matched:
-            raise ValueError(f"{directory}: patch {patch} matched no resource")
-
-    if "namespace" in kustomization:
-        for res in resources:
-            res.setdefault("metadata", {})["namespace"] = kustomization["namespace"]
-    for label_set in kustomization.get("labels", []):
-        if label_set.get("includeSelectors") or label_set.get("includeTemplates"):
-            raise NotImplementedError("labels with includeSelectors/includeTemplates")
-        for res in resources:
-            res.setdefault("metadata", {}).setdefault("labels", {}).update(label_set["pairs"])
-    if kustomization.get("images"):
-        _set_images(resources, kustomization["images"])
-    return resources
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers over rendered objects
-# ---------------------------------------------------------------------------------------------------------------
-
 RENDERED = {"base": BASE, "gpu": GPU}
+
+
+@functools.cache
+def _render(directory: Path) -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl not found: `make setup` installs Debian's kubernetes-client")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"kubectl kustomize {directory.relative_to(ROOT)}: {result.stderr}"
+    return result.stdout
+
+
+def kustomize(directory: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(_render(directory)) if doc]
 
 
 @pytest.fixture(scope="module", params=sorted(RENDERED))
 def rendered(request) -> tuple[str, list[dict]]:
-    return request.param, kustomize_build(RENDERED[request.param])
+    return request.param, kustomize(RENDERED[request.param])
 
 
 def by_kind(resources: list[dict], kind: str) -> dict[str, dict]:
@@ -292,76 +79,9 @@ def strict_validate(doc: dict, version: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The loader itself
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def test_strategic_merge_merges_keyed_lists_and_replaces_others():
-    base = {
-        "spec": {
-            "containers": [
-                {"name": "a", "image": "x", "env": [{"name": "K", "value": "1"}]},
-                {"name": "b", "image": "y"},
-            ],
-            "tolerations": [{"key": "old"}],
-        }
-    }
-    patch = {
-        "spec": {
-            "containers": [
-                {
-                    "name": "a",
-                    "env": [{"name": "K", "value": "2"}, {"name": "L", "value": "3"}],
-                    "resources": {"limits": {"nvidia.com/gpu": 1}},
-                },
-                {"name": "b", "$patch": "delete"},
-            ],
-            "tolerations": [{"key": "new"}],
-        }
-    }
-    out = strategic_merge(base, patch)
-    assert out["spec"]["containers"] == [
-        {
-            "name": "a",
-            "image": "x",
-            "env": [{"name": "K", "value": "2"}, {"name": "L", "value": "3"}],
-            "resources": {"limits": {"nvidia.com/gpu": 1}},
-        }
-    ]
-    assert out["spec"]["tolerations"] == [{"key": "new"}]
-    assert base["spec"]["containers"][0]["env"] == [{"name": "K", "value": "1"}]  # input untouched
-
-
-def test_json6902_and_targets():
-    doc = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "d", "labels": {"app": "x"}},
-        "spec": {"template": {"spec": {"containers": [{"name": "c"}]}}},
-    }
-    out = json6902(
-        doc,
-        [
-            {"op": "add", "path": "/spec/template/spec/containers/0/args", "value": ["--a"]},
-            {"op": "replace", "path": "/metadata/name", "value": "e"},
-            {"op": "test", "path": "/metadata/labels/app", "value": "x"},
-        ],
-    )
-    assert (
-        out["spec"]["template"]["spec"]["containers"][0]["args"] == ["--a"] and out["metadata"]["name"] == "e"
-    )
-    with pytest.raises(KeyError):
-        json6902(doc, [{"op": "replace", "path": "/spec/missing", "value": 1}])
-    assert select([doc], {"kind": "Deployment", "labelSelector": "app=x"}) == [doc]
-    assert select([doc], {"kind": "Deployment", "labelSelector": "app!=x"}) == []
-    assert select([doc], {"kind": "Service"}) == []
-    assert _split_image("reg:5000/ns/msn:1.0@sha256:ab") == ("reg:5000/ns/msn", "1.0", "sha256:ab")
-
-
 def test_strict_validation_has_teeth():
     """The validator must reject an unknown field and a wrong type, or every other test here proves nothing."""
-    deployment = copy.deepcopy(by_kind(kustomize_build(BASE), "Deployment")["msn-serve"])
+    deployment = by_kind(kustomize(BASE), "Deployment")["msn-serve"]
     typo = copy.deepcopy(deployment)
     typo["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
     wrong_type = copy.deepcopy(deployment)
@@ -380,7 +100,6 @@ def test_strict_validation_has_teeth():
 # ---------------------------------------------------------------------------------------------------------------
 # Rendered base and gpu overlay
 # ---------------------------------------------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_rendered_object_validates_strictly(rendered, version):
@@ -523,8 +242,8 @@ def test_consistency_model_one_writer_many_readonly_readers(rendered):
 
 
 def test_gpu_overlay_changes_only_what_it_should():
-    base = kustomize_build(BASE)
-    gpu = kustomize_build(GPU)
+    base = kustomize(BASE)
+    gpu = kustomize(GPU)
     base_deps, gpu_deps = by_kind(base, "Deployment"), by_kind(gpu, "Deployment")
     for name in base_deps:
         b, g = container(base_deps[name]), container(gpu_deps[name])
@@ -558,7 +277,7 @@ def test_gpu_overlay_changes_only_what_it_should():
 def test_images_are_dockerfile_targets():
     targets = set(re.findall(r"(?im)^FROM\s+\S+\s+AS\s+(\S+)\s*$", DOCKERFILE.read_text()))
     for directory in RENDERED.values():
-        for dep in by_kind(kustomize_build(directory), "Deployment").values():
+        for dep in by_kind(kustomize(directory), "Deployment").values():
             tag = container(dep)["image"].rsplit(":", 1)[1]
             assert tag.split("-", 1)[1] in targets  # 0.1.0-serve -> serve
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks.label_efficiency import Loop, summarise, targets
-from benchmarks.label_report import plot, render_label_efficiency
+from benchmarks.render.label import plot, render_label_efficiency
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,4 @@
+import ast
 import importlib.util
 import json
 import sys
@@ -5,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paper_tables.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "paper_tables.py"
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +32,16 @@ def test_dry_run_plans_every_ablation_with_one_budget(tables, tmp_path, capsys):
 
 
 def test_render_marks_missing_results(tables):
-    from benchmarks import results_report as report
+    from benchmarks.protocol import SETTINGS
+    from benchmarks.render.results_page import render_profile
 
     runs = tables.pretraining_runs(0.3)
     rows = [{"setting": s, "mean": 70.0, "std": 1.0, "fit_seconds": [0.1, 0.2, 0.3]}
-            for s, _ in report.SETTINGS]
+            for s, _ in SETTINGS]
     result = {"profile": "cpu", "machine": "test machine", "seconds": 60.0, "overrides": {}, "default_ratio": 0.3,
               "lambd": 0.00025, "runs": {n: {"label": r.label} for n, r in runs.items()},
               "evals": {"msn-lowshot": {"results": rows}}}
-    text = report.render_profile(result)
+    text = render_profile(result)
     for title in ("### 1.", "### 2.", "### 3.", "### 4.", "### 5.", "Solver check"):
         assert title in text
     assert "70.0 ± 1.0" in text and "n/a" in text and "test machine" in text
@@ -46,7 +49,7 @@ def test_render_marks_missing_results(tables):
 
 
 def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
-    from benchmarks.results_report import render
+    from benchmarks.render.results_page import render
 
     ratio = {"msn": {"consistent": 0.41, "cos_msn": 0.98}, "random": {"consistent": 0.17, "cos_msn": 0.96}}
     rcdm = {"ratios": {"0.0": ratio, "0.9": ratio}, "machine": "x86_64", "machine_name": "test cpu", "seconds": 120.0,
@@ -62,7 +65,7 @@ def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
 
 def test_budget_curve_plans_one_run_per_budget_and_renders_its_table(tmp_path, capsys):
     from benchmarks import budget_curve
-    from benchmarks.results_report import render
+    from benchmarks.render.results_page import render
 
     assert budget_curve.main(["--dry-run", "--budgets", "10", "30", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -87,7 +90,7 @@ def test_budget_curve_plans_one_run_per_budget_and_renders_its_table(tmp_path, c
 
 
 def test_budget_verdict_compares_with_pixels_and_the_targets():
-    from benchmarks.results_report import render_budget
+    from benchmarks.render.budget import render_budget
 
     def lowshot(acc, std=0.0):
         return {"results": [{"setting": f"{k}imgs_class", "mean": acc, "std": std} for k in (1, 2, 5)]}
@@ -106,3 +109,46 @@ def test_budget_verdict_compares_with_pixels_and_the_targets():
     assert "kNN 86.0 vs 85.7: met." in text
     assert "- 30 min: 1/class 58.0 vs 54.0: met; 2/class 58.0 vs 61.0: **missed**" in text
     assert "kNN 87.0 vs 88.0: **missed**" in text
+
+
+def test_the_renderer_reproduces_the_committed_docs_from_the_stored_json(capsys):
+    """docs/*.md are generated: rendering the stored JSON again changes nothing (edit the JSON or the renderer)."""
+    from benchmarks import render_docs
+
+    assert render_docs.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """``{module: benchmarks modules it imports}`` for every file under benchmarks/, lazy imports included."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        found = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks"):
+                found.add(node.module)  # and `from package import module` names the module itself
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("benchmarks"))
+    return {module: {i for i in imports if i in graph} for module, imports in graph.items()}
+
+
+def test_benchmark_imports_form_a_dag_and_rendering_never_imports_measuring():
+    graph = _benchmark_imports()
+    shared = {"benchmarks.common", "benchmarks.protocol", "benchmarks.recipe_trials"}
+    for module in (m for m in graph if m.startswith("benchmarks.render") or m == "benchmarks.render_docs"):
+        bad = {i for i in graph[module] if not i.startswith("benchmarks.render") and i not in shared}
+        assert not bad, f"{module} imports measuring code {bad}"
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", "import cycle: " + " -> ".join([*path, module])
+        state[module] = "open"
+        for dep in graph.get(module, ()):
+            visit(dep, [*path, module])
+        state[module] = "done"
+
+    for module in graph:
+        visit(module, [])

@@ -20,8 +20,8 @@ import pytest
 from faults import DiskFaults
 from serve_helpers import Server
 
-from msn_serve.errors import ApiError
 from msn_serve.classifiers.fewshot import ClassifierStore, fit
+from msn_serve.errors import ApiError
 from msn_serve.indexes.store import IndexStore
 
 DIM = 8

@@ -23,7 +23,7 @@ from msn_serve.embedding.engine import Engine
 def format1_bundle(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
 
-    from training.bundle.export import load_encoder
+    from training.model.load import load_encoder
 
     encoder, _ = load_encoder(bundle_dir)
 

@@ -13,12 +13,12 @@ import faiss
 import numpy as np
 import pytest
 
-from msn_serve.indexes import gpu as index_gpu
 from msn_serve.errors import ApiError
+from msn_serve.indexes import gpu as index_gpu
 from msn_serve.indexes.config import IndexConfig, search_params
+from msn_serve.indexes.managed import ManagedIndex
 from msn_serve.indexes.store import IndexStore
 from msn_serve.indexes.tuning import GB, plans, select
-from msn_serve.indexes.managed import ManagedIndex
 
 
 def clustered(n: int, d: int = 32, seed: int = 0) -> np.ndarray:

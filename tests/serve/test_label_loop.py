@@ -251,9 +251,9 @@ def test_read_only_replica_serves_the_loop_but_refuses_fits(c, loop_server, bund
 
 
 def test_ivfpq_vectors_cannot_be_given_back(tmp_path):
+    from msn_serve.classifiers.indexvectors import stored_vectors
     from msn_serve.errors import ApiError
     from msn_serve.indexes.config import IndexConfig
-    from msn_serve.indexes.vectors import stored_vectors
     from msn_serve.indexes.managed import ManagedIndex
 
     idx = ManagedIndex.create(tmp_path / "pq", IndexConfig(dim=8, type="ivfpq", nlist=2, pq_m=2))

@@ -15,8 +15,8 @@ from serve_helpers import encode, random_image
 
 from msn_core.bundle import load_bundle_info
 from msn_core.masks import resolve_mask
-from msn_serve.http.oip import oip_items
 from msn_serve.embedding.preprocess import preprocess_bytes
+from msn_serve.http.oip import oip_items
 
 SPEC = {"ratio": 0.7, "seed": 1}
 GRID = 8

@@ -10,11 +10,11 @@ from PIL import Image
 from serve_helpers import PREPROCESSING, encode, random_image
 
 from msn_core.bundle import load_bundle_info
-from msn_serve.errors import ApiError
 from msn_serve.classifiers.fewshot import ClassifierStore, fit
-from msn_serve.indexes.store import IndexStore
 from msn_serve.embedding.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
+from msn_serve.errors import ApiError
 from msn_serve.indexes.storage import WriteAheadLog
+from msn_serve.indexes.store import IndexStore
 
 
 # ---- preprocessing -----------------------------------------------------------------------------------------------

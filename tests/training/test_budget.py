@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from training.run.budget import plan_budget, steps_for_budget
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, load_config
+from training.run.budget import plan_budget, steps_for_budget
 
 from .test_pretrain import _args, _env
 
@@ -85,3 +85,24 @@ def test_budget_config_errors():
 def test_moved_key_still_loads():
     cfg = load_config(None, ["data.source=synthetic", "mask.color_jitter_strength=0.3"])
     assert cfg.augment.color_jitter_strength == 0.3
+
+
+def test_run_length_is_decided_once_from_checkpoint_step_count_or_epochs():
+    from types import SimpleNamespace
+
+    from training.run.length import RunLength, build_schedules, decide_run_length
+
+    def length(overrides, stored=None):
+        cfg = load_config(None, ["data.source=synthetic", "optim.epochs=10", "optim.warmup_epochs=2", *overrides])
+        return decide_run_length(SimpleNamespace(cfg=cfg, steps_per_epoch=5), stored_total_steps=stored,
+                                 started_at=0.0), cfg
+
+    assert length([])[0] == RunLength(50, 10, 50, "optim.epochs")  # official: warm-up in epochs
+    assert length(["optim.total_steps=100"])[0] == RunLength(100, 20, 100, "optim.total_steps")  # same fraction
+    assert length(["optim.total_steps=100", "run.max_steps=7"])[0] == RunLength(100, 20, 7, "optim.total_steps")
+    # A resumed run keeps its stored length whatever the config now says; warm-up follows the same rule.
+    assert length(["optim.budget_minutes=5"], stored=80)[0] == RunLength(80, 16, 80, "checkpoint")
+    resumed, cfg = length(["optim.budget_minutes=5"], stored=80)
+    schedules = build_schedules(cfg, resumed)
+    assert (schedules.total_steps, schedules.warmup_steps) == (80, 16)
+    assert schedules.at(15).lr == pytest.approx(cfg.optim.lr) and schedules.at(0).ema_momentum == cfg.optim.ema_start

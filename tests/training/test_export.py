@@ -12,10 +12,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from training.bundle import export
-from training.model import vit
+from training.bundle import export, files, onnx_graph
 from training.bundle.convert import kwargs_to_hf_config, ours_to_hf, ours_to_official
+from training.checkpoint import file_sha256
+from training.model import vit
 from training.model.heads import ProjectionHead
+from training.model.load import load_encoder
 from training.model.vit import VisionTransformer, build_encoder, encoder_kwargs
 
 IMAGE, PATCH, DIM = 32, 4, 64
@@ -85,12 +87,12 @@ def test_bundle_holds_exactly_the_contract(exported):
     ]
     assert meta["onnx"]["outputs"] == [{"name": "embedding", "dtype": "float32", "shape": ["batch", DIM]}]
     assert meta["source"] == {"kind": "training", "path": "checkpoint.pt",
-                              "sha256": export.file_sha256(checkpoint)}  # fmt: skip
+                              "sha256": file_sha256(checkpoint)}  # fmt: skip
     assert meta["training"] == {"step": 120, "epoch": 3, "config": {"optim": {"epochs": 3}}}
     diffs = meta["parity"]["max_abs_diff"]
     assert set(diffs) == {"keep_all", "keep_30pct", "padded_mixed"} and max(diffs.values()) <= 1e-4
-    assert meta["weights"]["sha256"] == export.file_sha256(bundle / "encoder.safetensors")
-    assert meta["model_id"].endswith(export.weights_digest(exported[0].state_dict())[:12])
+    assert meta["weights"]["sha256"] == file_sha256(bundle / "encoder.safetensors")
+    assert meta["model_id"].endswith(files.weights_digest(exported[0].state_dict())[:12])
 
 
 def test_model_id_depends_on_the_weights_not_on_the_file_bytes(exported, tmp_path):
@@ -101,10 +103,10 @@ def test_model_id_depends_on_the_weights_not_on_the_file_bytes(exported, tmp_pat
     state = load_file(bundle / "encoder.safetensors")
     save_file(state, str(tmp_path / "a.safetensors"), metadata={"x": "1", "y": "2"})
     save_file(state, str(tmp_path / "b.safetensors"), metadata={"y": "2", "x": "1", "z": "3"})
-    assert export.file_sha256(tmp_path / "a.safetensors") != export.file_sha256(tmp_path / "b.safetensors")
-    assert export.weights_digest(load_file(tmp_path / "a.safetensors")) == export.weights_digest(state)
+    assert file_sha256(tmp_path / "a.safetensors") != file_sha256(tmp_path / "b.safetensors")
+    assert files.weights_digest(load_file(tmp_path / "a.safetensors")) == files.weights_digest(state)
     changed = {**state, "cls_token": state["cls_token"] + 1e-6}
-    assert export.weights_digest(changed) != export.weights_digest(state)
+    assert files.weights_digest(changed) != files.weights_digest(state)
 
 
 @pytest.mark.parametrize(("batch", "keep"), [(1, NUM_PATCHES), (5, NUM_PATCHES), (5, 19), (1, 1)])
@@ -137,7 +139,7 @@ def test_onnx_padded_mixed_keep_batch_equals_unpadded(exported):
 
 def test_load_encoder_gives_the_exported_torch_encoder(exported):
     encoder, _, bundle = exported
-    loaded, info = export.load_encoder(bundle)
+    loaded, info = load_encoder(bundle)
     assert info.embed_dim == DIM and info.format_version == 2 and not loaded.training
     images = torch.randn(2, 3, IMAGE, IMAGE)
     with torch.no_grad():
@@ -149,8 +151,8 @@ def test_failed_parity_leaves_existing_bundle_untouched(exported, tmp_path, monk
     target = tmp_path / "bundle"
     shutil.copytree(bundle, target)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    real_run = export._run_onnx
-    monkeypatch.setattr(export, "_run_onnx", lambda path, inputs: real_run(path, inputs) + 1e-3)
+    real_run = onnx_graph.run_onnx
+    monkeypatch.setattr(onnx_graph, "run_onnx", lambda path, inputs: real_run(path, inputs) + 1e-3)
     with pytest.raises(export.ExportError, match="differs from torch by more than 0.0001"):
         export.export_bundle(tiny_encoder(seed=5), target, arch="vit_tiny", preprocessing=PREPROCESSING)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
@@ -177,7 +179,7 @@ def test_from_official_checkpoint_gives_identical_features(exported, tmp_path, m
     shutil.copytree(existing, out)  # an older bundle there gets replaced
     assert export.main(["--from-official", str(path), "--arch", "deit_tiny", "--out", str(out),
                         "--image-size", "32"]) == 0  # fmt: skip
-    loaded, info = export.load_encoder(out)
+    loaded, info = load_encoder(out)
     assert info.extra["source"]["kind"] == "official" and info.architecture.name == "vit_tiny"
     assert info.preprocessing.crop == 32 and info.preprocessing.resize == round(32 * 256 / 224)
     images, keep_idx = random_inputs(2, 4, seed=11, num_patches=4)
@@ -198,7 +200,7 @@ def test_from_hf_directory_gives_identical_features(tmp_path):
     save_file(ours_to_hf(encoder.state_dict()), str(hf_dir / "model.safetensors"))
     out = tmp_path / "hf"
     assert export.main(["--from-hf", str(hf_dir), "--out", str(out), "--feature", "cls_post_norm"]) == 0
-    loaded, info = export.load_encoder(out)
+    loaded, info = load_encoder(out)
     assert info.extra["source"]["kind"] == "hf" and info.feature == "cls_post_norm"
     images, keep_idx = random_inputs(2, NUM_PATCHES, seed=12)
     with torch.no_grad():

@@ -9,19 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from training.bundle.convert import (
-    KeyMismatchError,
-    complete_preprocessing,
     hf_config_to_kwargs,
     hf_to_ours,
     kwargs_to_hf_config,
-    load_trunk,
     official_to_ours,
     ours_to_hf,
     ours_to_official,
-    resize_encoder,
-    trunk_keys,
 )
+from training.bundle.sources import complete_preprocessing, resize_encoder
 from training.model.heads import ProjectionHead, init_prototypes
+from training.model.load import KeyMismatchError, load_trunk, trunk_keys
 from training.model.vit import (
     ARCHS,
     VisionTransformer,
@@ -211,7 +208,8 @@ def test_arch_names_and_builders():
     assert parse_official_arch("deit_base_p4") == ("vit_base", 4)
     assert parse_official_arch("deit_large_p7") == ("vit_large", 7)
     assert parse_official_arch("deit_huge_p10") == ("vit_huge", 10)
-    for bad in ("deit_gigantic", "vitc_4gf", "resnet50", "deit_small_p0"):
+    assert parse_official_arch("vitc_4gf") == ("vitc_4gf", 16)  # conv stem: tests/training/test_convstem.py
+    for bad in ("deit_gigantic", "vitc_8gf", "resnet50", "deit_small_p0"):
         with pytest.raises(ValueError, match="deit_small"):
             parse_official_arch(bad)
     model = build_encoder("vit_small", 8, 32, depth=1, drop_path_rate=0.1)

@@ -1,54 +1,35 @@
-"""Key mappings between our ViT, the official MSN checkpoints and HuggingFace ``ViTMSNModel`` weights.
+"""Key mappings between our ViT trunk, the official MSN checkpoints and HuggingFace ``ViTMSNModel`` weights.
 
 Our trunk uses the official key names, so official <-> ours is prefix/head bookkeeping. HF splits the fused qkv
 and renames everything; we target the *on-disk* legacy names that ``save_pretrained`` writes (still
 ``encoder.layer.N.attention.attention.query`` in transformers 5.x), not whatever the installed version uses in
 memory. The mappings are pure (state dict in, state dict out) and raise :class:`KeyMismatchError` naming the
-offending keys rather than letting ``load_state_dict`` fail later with a wall of text. ``encoder_from_*`` read
-whole checkpoints (ours, official ``.pth.tar``, an HF directory) into a ready encoder plus provenance info.
+offending keys rather than letting ``load_state_dict`` fail later with a wall of text. Reading whole checkpoint
+files is :mod:`training.bundle.sources`'s job.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import pickle
 import re
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
-from training.checkpoint import file_sha256
-from training.run.state import target_encoder_weights
-from training.model.vit import (
-    ARCHS,
-    VisionTransformer,
-    build_encoder,
-    encoder_kwargs,
-    interpolate_patch_pos_embed,
-    parse_official_arch,
-)
+from training.model.load import KeyMismatchError, check_keys, trunk_depth, trunk_keys
+from training.model.stem import conv_stem_layers
 
 __all__ = [
     "KeyMismatchError",
-    "check_keys",
-    "complete_preprocessing",
-    "encoder_from_hf",
-    "encoder_from_official",
-    "encoder_from_training_checkpoint",
+    "StateDict",
     "hf_config_to_kwargs",
     "hf_to_ours",
     "kwargs_to_hf_config",
-    "load_trunk",
     "official_head",
     "official_to_ours",
     "ours_to_hf",
     "ours_to_official",
-    "resize_encoder",
-    "trunk_keys",
+    "strip_prefix",
 ]
 
 StateDict = dict[str, Tensor]
@@ -56,64 +37,38 @@ StateDict = dict[str, Tensor]
 _OFFICIAL_HEAD_PREFIXES = ("fc.", "pred.")  # projection head and (unused) prediction head
 # ViTMSNForImageClassification's head and a pooler never belong to the trunk.
 _HF_IGNORED_PREFIXES = ("classifier.", "pooler.")
-_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 
 
-class KeyMismatchError(ValueError):
-    """A state dict does not have the keys or shapes the target model expects."""
-
-
-def _preview(keys: Iterable[str], limit: int = 8) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def check_keys(state: Mapping[str, Tensor], expected: Iterable[str], source: str) -> None:
-    """Raise naming the missing and unexpected keys if ``state`` does not hold exactly ``expected``."""
-    expected = set(expected)
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        parts = [f"{source}: state dict does not match the ViT trunk"]
-        if missing:
-            parts.append(f"missing keys: {_preview(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_preview(unexpected)}")
-        raise KeyMismatchError("; ".join(parts))
-
-
-def trunk_keys(depth: int) -> list[str]:
-    """Every state-dict key of a ``depth``-block trunk, in our (= official) names."""
-    keys = ["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"]
-    for i in range(depth):
-        for layer in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
-            keys += [f"blocks.{i}.{layer}.weight", f"blocks.{i}.{layer}.bias"]
-    return keys + ["norm.weight", "norm.bias"]
-
-
-def _depth_of(state: Mapping[str, Tensor]) -> int:
-    indices = {int(m.group(1)) for key in state if (m := _BLOCK_KEY.match(key))}
-    return max(indices) + 1 if indices else 0
-
-
-def _strip_prefix(state: Mapping[str, Tensor], prefix: str) -> StateDict:
+def strip_prefix(state: Mapping[str, Tensor], prefix: str) -> StateDict:
+    """``state`` with ``prefix`` removed from the keys that have it (``module.`` of DDP, ``vit.`` of HF heads)."""
     return {key.removeprefix(prefix): value for key, value in state.items()}
 
 
 # --- official ---------------------------------------------------------------------------------------------
 
 
+def _expected_trunk_keys(trunk: Mapping[str, Tensor]) -> list[str]:
+    """The keys a trunk of this depth and patch embedding (projection, or conv stem of this many stages) has."""
+    return trunk_keys(trunk_depth(trunk), conv_stem_layers(trunk.keys()))
+
+
 def official_to_ours(state: Mapping[str, Tensor]) -> StateDict:
-    """Official ``target_encoder`` state dict -> our trunk: strip ``module.`` (DDP), drop ``fc.*``/``pred.*``."""
-    state = _strip_prefix(state, "module.")
+    """Official ``target_encoder`` state dict -> our trunk: strip ``module.`` (DDP), drop ``fc.*``/``pred.*``.
+
+    The conv-stem models (``ConvEmbed``: ``patch_embed.stem.N`` convs and BatchNorms, running statistics and
+    ``num_batches_tracked`` included) keep their names too: our :class:`training.model.stem.ConvStem` has the
+    official module order. Every key must be there; the running statistics are what the exported (eval-mode)
+    stem normalises with.
+    """
+    state = strip_prefix(state, "module.")
     trunk = {key: value for key, value in state.items() if not key.startswith(_OFFICIAL_HEAD_PREFIXES)}
-    check_keys(trunk, trunk_keys(_depth_of(trunk)), "official checkpoint")
+    check_keys(trunk, _expected_trunk_keys(trunk), "official checkpoint")
     return trunk
 
 
 def official_head(state: Mapping[str, Tensor]) -> StateDict:
     """The projection-head part (``fc.*``, prefix removed) of an official encoder state dict, for resuming."""
-    state = _strip_prefix(state, "module.")
+    state = strip_prefix(state, "module.")
     return {key.removeprefix("fc."): value for key, value in state.items() if key.startswith("fc.")}
 
 
@@ -124,7 +79,7 @@ def ours_to_official(
 
     ``ddp_prefix`` adds ``module.`` as multi-GPU official runs (and the released weights) have it.
     """
-    check_keys(trunk, trunk_keys(_depth_of(trunk)), "our trunk")
+    check_keys(trunk, _expected_trunk_keys(trunk), "our trunk")
     state = dict(trunk)
     state.update({f"fc.{key}": value for key, value in (head_state or {}).items()})
     prefix = "module." if ddp_prefix else ""
@@ -163,7 +118,7 @@ def hf_to_ours(state: Mapping[str, Tensor]) -> StateDict:
     """HF ``ViTMSNModel`` weights (legacy names, optional ``vit.`` prefix) -> our trunk, fusing q, k, v."""
     state = {
         key: value
-        for key, value in _strip_prefix(state, "vit.").items()
+        for key, value in strip_prefix(state, "vit.").items()
         if not key.startswith(_HF_IGNORED_PREFIXES)
     }
     layer_ids = {int(m.group(1)) for key in state if (m := re.match(r"^encoder\.layer\.(\d+)\.", key))}
@@ -183,7 +138,9 @@ def hf_to_ours(state: Mapping[str, Tensor]) -> StateDict:
 
 def ours_to_hf(trunk: Mapping[str, Tensor], prefix: str = "") -> StateDict:
     """Our trunk -> HF ``ViTMSNModel`` on-disk names; ``prefix="vit."`` for ``ViTMSNForImageClassification``."""
-    depth = _depth_of(trunk)
+    depth = trunk_depth(trunk)
+    if conv_stem_layers(trunk.keys()) is not None:
+        raise ValueError("HF ViTMSN has no conv stem: a conv-stem trunk cannot be written in its format")
     check_keys(trunk, trunk_keys(depth), "our trunk")
     hf = {hf_key: trunk[key] for key, hf_key in _HF_GLOBAL.items()}
     for i in range(depth):
@@ -221,6 +178,8 @@ def hf_config_to_kwargs(config: Mapping) -> dict:
 
 def kwargs_to_hf_config(kwargs: Mapping) -> dict:
     """An HF ``config.json`` dict for ``ViTMSNModel`` describing a trunk built with ``kwargs``."""
+    if kwargs.get("conv_stem_strides") is not None or kwargs.get("conv_stem_channels") is not None:
+        raise ValueError("HF ViTMSN has no conv stem: a conv-stem trunk cannot be written in its format")
     return {
         "architectures": ["ViTMSNModel"],
         "model_type": "vit_msn",
@@ -238,185 +197,3 @@ def kwargs_to_hf_config(kwargs: Mapping) -> dict:
         "num_channels": kwargs.get("in_chans", 3),
         "qkv_bias": True,
     }
-
-
-# --- loading into a model ---------------------------------------------------------------------------------
-
-
-def load_trunk(encoder: VisionTransformer, trunk: Mapping[str, Tensor], source: str) -> VisionTransformer:
-    """Load ``trunk`` into ``encoder`` strictly, with errors that say which key has which shape.
-
-    A square ``pos_embed`` for a different grid (e.g. 224 px weights into a 448 px encoder) is resized the same
-    way the forward pass would resize it, so features are unchanged.
-    """
-    depth = _depth_of(trunk)
-    if depth != encoder.depth:
-        raise KeyMismatchError(f"{source}: weights have {depth} blocks, the encoder expects {encoder.depth}")
-    expected = encoder.state_dict()
-    check_keys(trunk, expected.keys(), source)
-    trunk = dict(trunk)
-    pos = trunk["pos_embed"]
-    if pos.shape != expected["pos_embed"].shape and pos.ndim == 3 and pos.shape[2] == encoder.embed_dim:
-        stored = round((pos.shape[1] - 1) ** 0.5)
-        if stored * stored == pos.shape[1] - 1:  # a square grid of another size: resize as forward would
-            grid = (encoder.grid_size, encoder.grid_size)
-            patches = interpolate_patch_pos_embed(pos[:, 1:], (stored, stored), grid)
-            trunk["pos_embed"] = torch.cat((pos[:, :1], patches), dim=1)
-    wrong = [
-        f"{key}: got {tuple(value.shape)}, expected {tuple(expected[key].shape)}"
-        for key, value in trunk.items()
-        if value.shape != expected[key].shape
-    ]
-    if wrong:
-        kw = {k: getattr(encoder, k) for k in ("embed_dim", "depth", "num_heads", "patch_size", "image_size")}
-        raise KeyMismatchError(f"{source}: shapes do not match a ViT with {kw}: " + "; ".join(wrong[:8]))
-    encoder.load_state_dict(trunk, strict=True)
-    return encoder
-
-
-# --- reading whole checkpoints ----------------------------------------------------------------------------
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def complete_preprocessing(preprocessing: Mapping | None, image_size: int) -> dict:
-    """Preprocessing with ImageNet defaults for missing keys: resize 256 -> crop 224, scaled to ``image_size``."""
-    defaults = {
-        "resize": round(image_size * 256 / 224),
-        "crop": image_size,
-        "mean": list(IMAGENET_MEAN),
-        "std": list(IMAGENET_STD),
-        "channels": 3,
-        "interpolation": "bicubic",
-    }
-    return {**defaults, **dict(preprocessing or {})}
-
-
-def resize_encoder(
-    encoder: VisionTransformer, preprocessing: Mapping, image_size: int
-) -> tuple[VisionTransformer, dict]:
-    """Rebuild ``encoder`` for another input size (positional grid resized) and rescale its preprocessing."""
-    resized = VisionTransformer(**{**encoder_kwargs(encoder), "image_size": image_size})
-    load_trunk(resized, encoder.state_dict(), "encoder")
-    crop = preprocessing.get("crop") or encoder.image_size
-    resize = preprocessing.get("resize") or crop
-    return resized, {**preprocessing, "resize": round(image_size * resize / crop), "crop": image_size}
-
-
-def _arch_name(encoder: VisionTransformer) -> str:
-    shape = (encoder.embed_dim, encoder.depth, encoder.num_heads)
-    return next((name for name, dims in ARCHS.items() if dims == shape), "vit_custom")
-
-
-def _require_file(path: Path, what: str) -> Path:
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
-    return path
-
-
-def _torch_load(path: Path) -> dict:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # keep the cause, drop torch's essay
-        detail = str(exc).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0]
-        detail = " ".join(detail.split())[:300] or type(exc).__name__
-        raise ValueError(f"{path} is not a readable torch checkpoint: {detail}") from exc
-    if not isinstance(checkpoint, dict):
-        raise TypeError(f"{path}: expected a checkpoint dict, got {type(checkpoint).__name__}")
-    return checkpoint
-
-
-def encoder_from_training_checkpoint(path: str | Path) -> tuple[VisionTransformer, dict]:
-    """Target encoder of one of our training checkpoints, plus info (arch, preprocessing, config, sha256, ...)."""
-    path = _require_file(Path(path), "checkpoint")
-    checkpoint = _torch_load(path)
-    try:
-        weights, kwargs = target_encoder_weights(checkpoint)
-    except KeyError as error:
-        raise ValueError(f"{path}: {error.args[0]} (has {_preview(checkpoint)}); "
-                         "for facebookresearch/msn files use --from-official") from None
-    encoder = VisionTransformer(**dict(kwargs))
-    state = _strip_prefix(_strip_prefix(weights, "module."), "_orig_mod.")
-    load_trunk(encoder, state, f"{path} target_encoder")
-    training = {key: checkpoint.get(key) for key in ("step", "epoch", "config")}
-    if checkpoint.get("total_steps") is not None:  # the schedule's length (budget and step-count runs)
-        training["total_steps"] = checkpoint["total_steps"]
-    info = {
-        "kind": "training",
-        "path": path.name,
-        "sha256": file_sha256(path),
-        "arch": checkpoint.get("arch") or _arch_name(encoder),
-        "preprocessing": complete_preprocessing(checkpoint.get("preprocessing"), encoder.image_size),
-        "training": training,
-        **training,
-    }
-    return encoder.eval(), info
-
-
-def encoder_from_official(
-    path: str | Path, arch: str, image_size: int = 224
-) -> tuple[VisionTransformer, dict]:
-    """Target encoder of a facebookresearch/msn ``.pth.tar`` (released weights or a full training save)."""
-    arch, patch_size = parse_official_arch(arch)
-    path = _require_file(Path(path), "official checkpoint")
-    checkpoint = _torch_load(path)
-    key = next((k for k in ("target_encoder", "encoder") if k in checkpoint), None)
-    if key is None:
-        raise ValueError(f"{path}: no 'target_encoder' or 'encoder' entry (has {_preview(checkpoint)})")
-    encoder = build_encoder(arch, patch_size, image_size)
-    load_trunk(encoder, official_to_ours(checkpoint[key]), f"{path} {key} (--arch {arch} p{patch_size})")
-    info = {
-        "kind": "official",
-        "path": path.name,
-        "sha256": file_sha256(path),
-        "arch": arch,
-        "preprocessing": complete_preprocessing(None, image_size),
-        "training": {"epoch": checkpoint.get("epoch")} if "epoch" in checkpoint else None,
-    }
-    return encoder.eval(), info
-
-
-def _load_hf_weights(directory: Path) -> tuple[StateDict, list[Path]]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():  # sharded save_pretrained output
-        shards = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
-        state: StateDict = {}
-        for shard in shards:
-            state.update(load_file(str(_require_file(shard, "weight shard"))))
-        return state, shards
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (directory / name).is_file():
-            file = directory / name
-            state = load_file(str(file)) if name.endswith(".safetensors") else _torch_load(file)
-            return state, [file]
-    raise FileNotFoundError(
-        f"{directory}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
-    )
-
-
-def encoder_from_hf(directory: str | Path) -> tuple[VisionTransformer, dict]:
-    """Encoder from a transformers ``ViTMSNModel`` directory (``config.json`` + weights, legacy key names)."""
-    directory = Path(directory)
-    config = json.loads(_require_file(directory / "config.json", "HF config").read_text())
-    encoder = VisionTransformer(**hf_config_to_kwargs(config))
-    state, files = _load_hf_weights(directory)
-    load_trunk(encoder, hf_to_ours(state), f"{directory} weights")
-    digest = file_sha256(files[0]) if len(files) == 1 else hashlib.sha256(
-        "".join(file_sha256(f) for f in files).encode()).hexdigest()  # fmt: skip
-    preprocessing = complete_preprocessing(None, encoder.image_size)
-    processor = directory / "preprocessor_config.json"
-    if processor.is_file():
-        settings = json.loads(processor.read_text())
-        preprocessing.update(
-            {k: list(settings[f"image_{k}"]) for k in ("mean", "std") if f"image_{k}" in settings}
-        )
-    info = {
-        "kind": "hf",
-        "path": directory.name,
-        "sha256": digest,
-        "arch": _arch_name(encoder),
-        "preprocessing": preprocessing,
-        "training": None,
-    }
-    return encoder.eval(), info

@@ -37,8 +37,8 @@ from msn_core.bundle import (
     onnx_feeds,
 )
 from msn_core.masks import random_keep
-from training.evaluation.features import extract_features
 from training.bundle.int8_guard import GuardData, GuardThresholds, guard_data, run_guard
+from training.evaluation.features import extract_features
 
 __all__ = ["METHODS", "QuantizationRefused", "QuantizeOptions", "add_arguments", "measure_speed", "options_from_args",
            "quantize_bundle", "quantize_graph"]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from msn_core.bundle import FEATURES, BundleError, load_bundle_info
+from msn_core.bundle import BundleError, load_bundle_info
+from msn_core.features import FEATURE_PATTERNS
 from training.evaluation import splits as split_files
 from training.evaluation.features import (
     BACKENDS,
@@ -226,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--data-root", help="directory of the Fashion-MNIST idx files")
     common.add_argument("--backend", choices=BACKENDS, default="onnx",
                         help="onnx (model.onnx), torch (encoder.safetensors) or pixels (raw-pixel baseline)")
-    common.add_argument("--feature", choices=FEATURES,
-                        help="default: the bundle's feature (the paper's cls_pre_norm)")
+    common.add_argument("--feature", help=f"{', '.join(FEATURE_PATTERNS)}; default: the bundle's feature "
+                        "(another one needs --backend torch)")
     common.add_argument("--device", default="cpu")
     common.add_argument("--batch-size", type=int, default=128)
     common.add_argument("--workers", type=int, default=0, help="data-loader worker processes")

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from msn_core.bundle import (
-    FEATURES,
     ONNX_FILE,
     Preprocessing,
     check_graph_inputs,
@@ -35,6 +34,8 @@ from msn_core.durable import atomic_write
 from msn_core.masks import random_keep
 from training.data import collate_views
 from training.masking import encoder_keep_args
+from training.model.load import load_encoder
+from training.model.readout import feature_spec, read_feature
 from training.views import eval_transform
 
 __all__ = [
@@ -101,8 +102,7 @@ class TorchEmbedder:
     backend = "torch"
 
     def __init__(self, encoder: torch.nn.Module, *, feature: str = "cls_pre_norm", device: str = "cpu") -> None:
-        if feature not in FEATURES:
-            raise ValueError(f"unknown feature {feature!r}; expected one of {FEATURES}")
+        self.spec = feature_spec(encoder, feature)  # FeatureError (a ValueError) names the valid features
         self.encoder = encoder.to(device).eval()
         self.feature, self.device = feature, torch.device(device)
         self.patch_size = int(encoder.patch_size)
@@ -110,18 +110,15 @@ class TorchEmbedder:
     @classmethod
     def from_bundle(cls, bundle_dir: str | os.PathLike, *, feature: str | None = None,
                     device: str = "cpu") -> TorchEmbedder:
-        from training.bundle.export import load_encoder
-
         encoder, info = load_encoder(bundle_dir)
         return cls(encoder, feature=feature or info.feature, device=device)
 
     @torch.inference_mode()
     def __call__(self, pixel_values: np.ndarray, keep_idx: np.ndarray) -> np.ndarray:
         images = torch.from_numpy(pixel_values).to(self.device)
-        gather_idx, keep_mask = encoder_keep_args(torch.from_numpy(keep_idx).to(self.device))
-        cls_pre_norm, cls_post_norm = self.encoder(images, gather_idx, keep_mask)
-        out = cls_pre_norm if self.feature == "cls_pre_norm" else cls_post_norm
-        return out.float().cpu().numpy()
+        keep_idx_t = torch.from_numpy(keep_idx).to(self.device)
+        _, keep_mask = encoder_keep_args(keep_idx_t)
+        return read_feature(self.encoder, self.spec, images, keep_idx_t, keep_mask).float().cpu().numpy()
 
 
 class PixelEmbedder:

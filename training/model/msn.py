@@ -2,6 +2,12 @@
 
 Mirrors the official layout, where the projection head lives inside the encoder (`encoder.fc`) and the target
 encoder is a deep copy of both, updated by EMA of the parameters only (BN buffers are not averaged).
+
+BatchNorm buffers of the target (the head's and, with a conv stem, the stem's) belong to the target: it runs in
+train mode, so its own no-grad forward passes on the unmasked target views update its running statistics, as in
+the official code, where the target encoder is never put in eval mode and its buffers are never EMA'd. Those are
+the statistics of the target weights on full target views, which is what the exported (eval-mode) target
+encoder meets; the online statistics would mix in the 96 px focal crops and belong to other weights.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from torch import Tensor, nn
 
 from training.config import ModelConfig
 from training.model.heads import ProjectionHead, init_prototypes
-from training.model.vit import VisionTransformer, build_encoder
+from training.model.stem import resolve_conv_stem
+from training.model.vit import ARCHS, CONV_STEM_ARCHS, VisionTransformer, build_encoder
 
 
 class ProjectedEncoder(nn.Module):
@@ -53,7 +60,16 @@ class MSNOnline(nn.Module):
 
 
 def build_networks(cfg: ModelConfig) -> tuple[MSNOnline, ProjectedEncoder]:
+    """Online network and its EMA target (a deep copy, no gradients, train mode: see the module docstring for
+    its BatchNorm statistics). ``cfg.conv_stem`` swaps the patch projection for a conv stem."""
     overrides = {k: v for k in ("embed_dim", "depth", "num_heads") if (v := getattr(cfg, k)) is not None}
+    if cfg.conv_stem or cfg.conv_stem_strides is not None or cfg.conv_stem_channels is not None:
+        named = CONV_STEM_ARCHS.get(cfg.arch, {}).get("embed_dim") or ARCHS.get(cfg.arch, (None,))[0]
+        embed_dim = overrides.get("embed_dim") or named
+        if embed_dim is None:
+            raise ValueError(f"unknown architecture {cfg.arch!r}; expected one of {', '.join([*ARCHS, *CONV_STEM_ARCHS])}")
+        overrides["conv_stem_channels"], overrides["conv_stem_strides"] = resolve_conv_stem(
+            embed_dim, cfg.patch_size, cfg.conv_stem_channels, cfg.conv_stem_strides)
     encoder = build_encoder(
         cfg.arch, cfg.patch_size, cfg.image_size, drop_path_rate=cfg.drop_path_rate, **overrides
     )
@@ -89,9 +105,11 @@ def parameter_groups(online: MSNOnline) -> list[dict]:
 def ema_update(ema: nn.Module, model: nn.Module, momentum: float, *, copy_buffers: bool) -> None:
     """``ema = momentum * ema + (1 - momentum) * model`` over parameters; buffers by an explicit policy.
 
-    ``copy_buffers=False`` leaves the EMA copy's buffers alone: MSN's target head runs BatchNorm in train mode
-    (batch statistics), so its running statistics are never read, and the official code averages parameters
-    only. ``copy_buffers=True`` copies them from ``model``, for an EMA that is evaluated (the RCDM decoder).
+    ``copy_buffers=False`` leaves the EMA copy's buffers alone: MSN's target runs its BatchNorms in train mode
+    (batch statistics), and the official code averages parameters only. A conv stem's running statistics are
+    read once the target is exported (eval mode); they stay the target's own, kept by its forward passes on the
+    full target views, rather than copies of the online ones, which also average the focal crops and belong to
+    other weights. ``copy_buffers=True`` copies them from ``model``, for an EMA that is evaluated (the RCDM decoder).
     """
     ema_params = list(ema.parameters())
     model_params = [p.detach() for p in model.parameters()]

@@ -7,20 +7,29 @@ Same numerics and state-dict key names as the official model, so released checkp
   and the graph exports to ONNX with a dynamic number of kept patches;
 * a key-padding mask (``keep_mask``) so one batch can mix samples that keep different numbers of patches.
 
+The official conv-stem models (``deit_small_convstem``, ``vitc_4gf``) are built with ``conv_stem_channels`` and
+``conv_stem_strides`` (:mod:`training.model.stem`): the stem replaces the patchify convolution, the effective
+patch size is the product of its strides, and everything after it (positions, patch dropping) is unchanged.
+
 Positional embeddings are resized bicubically to any patch grid (96 px focal views through a 224 px model,
 non-square inputs), with ``size=`` rather than the official ``scale_factor=`` so the grid is exact.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from training.model.stem import ConvStem, resolve_conv_stem
+
 __all__ = [
     "ARCHS",
+    "CONV_STEM_ARCHS",
     "VisionTransformer",
     "build_encoder",
     "encoder_kwargs",
@@ -37,13 +46,22 @@ ARCHS: dict[str, tuple[int, int, int]] = {
     "vit_huge": (1280, 32, 16),
 }
 
-# Factory names in the official src/deit.py (conv-stem variants are not supported).
+# The official conv-stem factories (src/deit.py): 384 wide, 11 blocks, 6 heads, stem channels 48-96-192-384 (3x3,
+# stride 2, BN + ReLU) then a 1x1 projection to 384 (stride 1): patch 16. They differ only in mlp_ratio.
+_OFFICIAL_STEM = {"conv_stem_channels": (48, 96, 192, 384, 384), "conv_stem_strides": (2, 2, 2, 2, 1)}
+CONV_STEM_ARCHS: dict[str, dict] = {
+    "deit_small_convstem": {"embed_dim": 384, "depth": 11, "num_heads": 6, "mlp_ratio": 6.0, **_OFFICIAL_STEM},
+    "vitc_4gf": {"embed_dim": 384, "depth": 11, "num_heads": 6, "mlp_ratio": 3.0, **_OFFICIAL_STEM},
+}
+
+# Factory names in the official src/deit.py.
 OFFICIAL_ARCHS: tuple[str, ...] = (
     "deit_tiny",
     "deit_small", "deit_small_p8", "deit_small_p7",
     "deit_base", "deit_base_p8", "deit_base_p7", "deit_base_p4",
     "deit_large", "deit_large_p8", "deit_large_p7",
     "deit_huge", "deit_huge_p8", "deit_huge_p7", "deit_huge_p10",
+    *CONV_STEM_ARCHS,
 )  # fmt: skip
 
 _ARCH_NAME = re.compile(r"^(?:deit|vit)_(tiny|small|base|large|huge)(?:_p(\d+))?$")
@@ -54,13 +72,17 @@ _INIT_STD = 0.02
 def parse_official_arch(name: str) -> tuple[str, int]:
     """Map an official model name (``deit_base_p4``) to ``(arch, patch_size)`` (``("vit_base", 4)``).
 
-    Our own spelling (``vit_base``, ``vit_base_p8``) is accepted too; no suffix means patch 16.
+    Our own spelling (``vit_base``, ``vit_base_p8``) is accepted too; no suffix means patch 16. The conv-stem
+    models keep their official names (``("vitc_4gf", 16)``): :func:`build_encoder` knows them.
     """
-    match = _ARCH_NAME.match(name.strip().lower())
+    key = name.strip().lower()
+    if key in CONV_STEM_ARCHS:
+        return key, math.prod(CONV_STEM_ARCHS[key]["conv_stem_strides"])
+    match = _ARCH_NAME.match(key)
     if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
         raise ValueError(
             f"unknown architecture {name!r}; expected one of {', '.join(OFFICIAL_ARCHS)} "
-            f"(or vit_{{tiny,small,base,large,huge}}[_pN]); conv-stem variants are not supported"
+            f"(or vit_{{tiny,small,base,large,huge}}[_pN])"
         )
     size, patch = match.groups()
     return f"vit_{size}", int(patch) if patch else 16
@@ -162,20 +184,34 @@ class VisionTransformer(nn.Module):
 
     ``image_size`` fixes the size of the stored positional-embedding grid; inputs may be any multiple of
     ``patch_size`` (the embeddings are interpolated). The projection head lives outside (``training.model.heads``).
+
+    With ``conv_stem_channels``/``conv_stem_strides`` (either may be omitted: :func:`resolve_conv_stem` fills it
+    in) the patchify convolution becomes the official conv stem (:class:`training.model.stem.ConvStem`, keys
+    ``patch_embed.stem.*``) and ``patch_size`` is the product of the strides (``None``: derived; 16 without a stem).
     """
 
     def __init__(
         self,
         image_size: int = 224,
-        patch_size: int = 16,
+        patch_size: int | None = None,
         in_chans: int = 3,
         embed_dim: int = 768,
         depth: int = 12,
         num_heads: int = 12,
         mlp_ratio: float = 4.0,
         drop_path_rate: float = 0.0,
+        conv_stem_channels: Sequence[int] | None = None,
+        conv_stem_strides: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        self.conv_stem_channels: tuple[int, ...] | None = None
+        self.conv_stem_strides: tuple[int, ...] | None = None
+        if conv_stem_channels is not None or conv_stem_strides is not None:
+            self.conv_stem_channels, self.conv_stem_strides = resolve_conv_stem(
+                embed_dim, patch_size, conv_stem_channels, conv_stem_strides)
+            patch_size = math.prod(self.conv_stem_strides)
+        elif patch_size is None:
+            patch_size = 16
         if image_size % patch_size:
             raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
         self.image_size = image_size
@@ -189,7 +225,11 @@ class VisionTransformer(nn.Module):
         self.mlp_ratio = mlp_ratio
         self.drop_path_rate = drop_path_rate
 
-        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
+        self.patch_embed: nn.Module
+        if self.conv_stem_strides is not None:
+            self.patch_embed = ConvStem(in_chans, self.conv_stem_channels, self.conv_stem_strides)
+        else:
+            self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_patches + 1, embed_dim))
         drop_rates = torch.linspace(0, drop_path_rate, depth).tolist()  # linear decay rule, as official
@@ -198,7 +238,8 @@ class VisionTransformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Official init. Note the patch projection gets Kaiming (fan_in, relu), unlike DINO/MAE."""
+        """Official init. Note the patch projection (and every conv of a conv stem) gets Kaiming (fan_in, relu),
+        unlike DINO/MAE; stem BatchNorms start at weight 1, bias 0 and fresh running statistics."""
         nn.init.trunc_normal_(self.pos_embed, std=_INIT_STD)
         nn.init.trunc_normal_(self.cls_token, std=_INIT_STD)
         for module in self.modules():
@@ -210,6 +251,12 @@ class VisionTransformer(nn.Module):
                 nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, mode="fan_in", nonlinearity="relu")
+            elif isinstance(module, nn.BatchNorm2d):
+                module.reset_parameters()
+        if isinstance(self.patch_embed, ConvStem):  # official: conv biases start at 0 (the stem's 1x1 projection)
+            for module in self.patch_embed.modules():
+                if isinstance(module, nn.Conv2d) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
 
     def patch_grid(self, height: int, width: int) -> tuple[int, int]:
         """Patch grid (rows, cols) of an image; ``keep_idx`` indexes it in row-major order."""
@@ -240,6 +287,12 @@ class VisionTransformer(nn.Module):
         ``keep_idx`` (B, K) int64: kept patches, row-major in the grid of ``images``.
         ``keep_mask`` (B, K) bool: False marks padding, which no token attends to.
         """
+        return self.forward_blocks(images, keep_idx, keep_mask, last=1)[-1]
+
+    def forward_blocks(
+        self, images: Tensor, keep_idx: Tensor | None = None, keep_mask: Tensor | None = None, *, last: int = 1
+    ) -> list[Tensor]:
+        """The output tokens of the last ``last`` blocks, oldest first, each (B, 1 + K, D) before the final norm."""
         tokens = self.prepare_tokens(images, keep_idx)
         attn_mask = None
         if keep_mask is not None:
@@ -250,9 +303,12 @@ class VisionTransformer(nn.Module):
             cls_visible = keep_mask.new_ones(keep_mask.shape[0], 1)
             # (B, 1, 1, 1+K): broadcast over heads and queries, masks keys only.
             attn_mask = torch.cat((cls_visible, keep_mask), dim=1)[:, None, None, :]
-        for block in self.blocks:
+        outputs = []
+        for i, block in enumerate(self.blocks):
             tokens = block(tokens, attn_mask)
-        return tokens
+            if i >= len(self.blocks) - last:
+                outputs.append(tokens)
+        return outputs
 
     def forward(
         self, images: Tensor, keep_idx: Tensor | None = None, keep_mask: Tensor | None = None
@@ -267,20 +323,34 @@ class VisionTransformer(nn.Module):
 
 
 def build_encoder(arch: str, patch_size: int, image_size: int, **overrides) -> VisionTransformer:
-    """Encoder of a named size; ``overrides`` may set embed_dim, depth, num_heads, mlp_ratio, drop_path_rate."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHS)}")
-    allowed = {"embed_dim", "depth", "num_heads", "mlp_ratio", "drop_path_rate"}
+    """Encoder of a named size; ``overrides`` may set embed_dim, depth, num_heads, mlp_ratio, drop_path_rate and
+    a conv stem (``conv_stem_channels``/``conv_stem_strides``). ``arch`` is one of :data:`ARCHS` or an official
+    conv-stem model (:data:`CONV_STEM_ARCHS`, whose stem fixes ``patch_size`` at 16)."""
+    if arch not in ARCHS and arch not in CONV_STEM_ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join([*ARCHS, *CONV_STEM_ARCHS])}")
+    allowed = {"embed_dim", "depth", "num_heads", "mlp_ratio", "drop_path_rate", "conv_stem_channels",
+               "conv_stem_strides"}
     unknown = set(overrides) - allowed
     if unknown:
         raise TypeError(f"unexpected encoder overrides {sorted(unknown)}; allowed: {sorted(allowed)}")
-    embed_dim, depth, num_heads = ARCHS[arch]
-    kwargs = {"embed_dim": embed_dim, "depth": depth, "num_heads": num_heads, **overrides}
+    if arch in CONV_STEM_ARCHS:
+        base = dict(CONV_STEM_ARCHS[arch])
+    else:
+        embed_dim, depth, num_heads = ARCHS[arch]
+        base = {"embed_dim": embed_dim, "depth": depth, "num_heads": num_heads}
+    kwargs = {**base, **overrides}
     return VisionTransformer(image_size=image_size, patch_size=patch_size, **kwargs)
 
 
 def encoder_kwargs(encoder: VisionTransformer) -> dict:
-    """Constructor kwargs of ``encoder``: store them next to weights, rebuild with ``VisionTransformer(**kw)``."""
+    """Constructor kwargs of ``encoder``: store them next to weights, rebuild with ``VisionTransformer(**kw)``.
+
+    The conv stem's ``conv_stem_channels``/``conv_stem_strides`` (lists) appear only when it has one, so plain
+    trunks keep the kwargs they always had."""
+    stem = {}
+    if encoder.conv_stem_strides is not None:
+        stem = {"conv_stem_channels": list(encoder.conv_stem_channels),
+                "conv_stem_strides": list(encoder.conv_stem_strides)}
     return {
         "image_size": encoder.image_size,
         "patch_size": encoder.patch_size,
@@ -290,4 +360,5 @@ def encoder_kwargs(encoder: VisionTransformer) -> dict:
         "num_heads": encoder.num_heads,
         "mlp_ratio": encoder.mlp_ratio,
         "drop_path_rate": encoder.drop_path_rate,
+        **stem,
     }

@@ -1,11 +1,12 @@
-"""Schedule length from a wall-clock budget: users think in minutes and GPU-hours, not epochs.
+"""Steps that fit in a wall-clock budget: users think in minutes and GPU-hours, not epochs.
 
-With ``optim.budget_minutes`` the trainer times a few real optimiser steps before the run (on the first batch,
-with every weight, optimiser moment and RNG stream put back afterwards, so calibration leaves no trace), and fixes
-``total_steps`` so that the cosine learning-rate, weight-decay and EMA schedules end when the budget does. The
-count is stored in the checkpoint: ``--resume`` follows the same schedules and does not measure again.
+With ``optim.budget_minutes``, ``training/run/length.py`` has ``plan_budget`` time a few real optimiser steps on
+the first batch before the run (every weight, optimiser moment and RNG stream is put back afterwards, so
+calibration leaves no trace) and keeps the step count that ends the cosine learning-rate, weight-decay and EMA
+schedules with the budget. The count is stored in the checkpoint: ``--resume`` follows the same schedules and does
+not measure again.
 
-The budget counts the training loop from the moment the networks are built: calibration, the optimiser steps,
+The budget counts from just after the processes start: building the networks, calibration, the optimiser steps,
 checkpoints and logging. Evaluation and export come after it. A machine that gets slower (or faster) during the
 run ends later (or earlier) than planned; the trainer logs the planned and the measured rate.
 """

@@ -5,7 +5,7 @@ fast-forwarded on resume. Here each is a pure function of the 0-based global ite
 reproduces the official values exactly, from any step (not only epoch boundaries).
 
 A run trains ``total_steps`` iterations (``epochs * steps_per_epoch`` in the official code; here also a step count
-or a wall-clock budget, ``training/run/budget.py``). All four schedules span a horizon of
+or a wall-clock budget, decided once in ``training/run/length.py``). All four schedules span a horizon of
 ``T = int(horizon_scale * total_steps)`` iterations. The official run uses ``horizon_scale = 1.25``, so training
 stops at 80 % of every schedule: for ViT-S/16 (800 epochs) the last learning rate is about 9.9e-5, not ``final_lr``,
 and the weight decay ends near 0.366, not 0.4. ``horizon_scale = 1`` ends every schedule on the last step.
@@ -27,7 +27,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Schedules"]
+__all__ = ["Schedules", "StepHyperparameters"]
+
+
+@dataclass(frozen=True)
+class StepHyperparameters:
+    """The values one optimiser step uses: what ``train_step`` needs from the schedules, and nothing else."""
+
+    lr: float
+    weight_decay: float
+    ema_momentum: float
+    sharpen_temperature: float
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,11 @@ class Schedules:
     def horizon(self) -> int:
         """Schedule length T (official ``T_max``): ``int(horizon_scale * total_steps)``."""
         return int(self.horizon_scale * self.total_steps)
+
+    def at(self, step: int) -> StepHyperparameters:
+        """Every schedule's value at 0-based iteration ``step``."""
+        return StepHyperparameters(self.lr(step), self.weight_decay(step), self.ema_momentum(step),
+                                   self.sharpen_temperature(step))
 
     def lr(self, step: int) -> float:
         """Learning rate used at 0-based iteration ``step``: linear warmup, then cosine toward ``final_lr``.

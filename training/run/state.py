@@ -5,8 +5,8 @@ Two trainers share this skeleton: MSN pretraining (``TrainState``, below) and th
 epoch and the batch within it, the sampler's geometry (world size, steps per epoch) and the RNG streams of every
 rank; ``restore_progress`` puts them back, or warns and reseeds when the geometry changed.
 
-``TrainState`` is the one place that names the keys of an MSN checkpoint; ``training.bundle.convert`` and
-``training.bundle.export`` read the target encoder through ``target_encoder_weights``.
+``TrainState`` is the one place that names the keys of an MSN checkpoint; ``msn-export``
+(``training.bundle.sources``) reads the target encoder through ``target_encoder_weights``.
 """
 
 from __future__ import annotations

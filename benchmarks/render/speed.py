@@ -1,13 +1,57 @@
-"""Markdown for issue 15's serving-speed figures (used by render_docs.py): the one-core serve_bench run and the
-profile of the ``/embed`` path. Nothing here measures; every figure comes from a results file."""
+"""Serving-speed sections of docs/benchmarks.md: int8 vs fp32, tuned FAISS at a million vectors, the one- and two-core
+serve_bench runs and the profile of the ``/embed`` path (issue 15)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from benchmarks.render.text import machine_line, sentence
 
-def _sentence(text: str) -> str:
-    text = text.strip()
-    return (text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")) if text else ""
+
+def int8_lines(r: dict) -> list[str]:
+    ips, up = r["images_per_s"], r["speedup"]
+    best = max(up.values())
+    verdict = "meets the ×2 target" if best >= r["target_speedup"] else (
+        f"short of the ×{r['target_speedup']:g} target by ×{r['target_speedup'] / best:.2f}")
+    g = r["guard"]
+    lowshot = ", ".join(f"{k.replace('imgs_class', '-shot')} {v['int8']:.1f} vs {v['fp32']:.1f} %"
+                        for k, v in (g["lowshot"] or {}).items())
+    return [(f"int8 vs fp32 ONNX Runtime, batch {r['batch']}, {r['tokens']} tokens, {r['threads']} threads, runs "
+            f"interleaved: fp32 {ips['fp32']:.1f} images/s, dynamic int8 {ips['dynamic']:.1f} (×{up['dynamic']:.2f}), "
+            f"static int8 {ips['static']:.1f} (×{up['static']:.2f}); {verdict}. The bundle's int8 graph "
+            f"({r['bundle_method']}) passed the export guard on {g['heldout_images']:,} held-out images: min cosine "
+            f"to fp32 {g['cosine_min']:.4f} (half-masked {g['cosine_masked_min']:.4f}); low-shot int8 vs fp32: "
+            f"{lowshot or 'skipped'}."), ""]
+
+
+def faiss_lines(corpora: list[dict]) -> list[str]:
+    lines = []
+    for c in corpora:
+        what = ("synthetic clustered vectors" if c["corpus"] == "clustered" else
+                f"Fashion-MNIST train embeddings of `{c.get('model_id')}` replicated with noise "
+                f"({c['real_vectors']:,} real vectors), queries from the test split")
+        best = c.get("best")
+        verdict = (f"best: {best['plan']['type']} at {best['qps']:,.0f} queries/s "
+                   f"({'meets' if best['qps'] >= 5000 else 'short of'} the 5,000 target)" if best
+                   else "no kind reached the target recall")
+        lines += [(f"{c['n']:,} × {c['dim']}, {what}; tuned on {c['tuning_queries']:,} held-out queries to "
+                  f"recall@10 ≥ {c['target_recall']}, measured on {c['evaluation_queries']:,} others, "
+                  f"{c['threads']} FAISS threads; {verdict}."), "",
+                  "| index | tuned parameters | recall@10 | batched queries/s | memory (MB) | build s |",
+                  "|---|---|---|---|---|---|",
+                  f"| flat (exact) | - | 1.000 | {c['flat']['qps']:,.0f} | {c['flat']['memory_bytes'] / 1e6:,.0f} | - |"]
+        for r in c["kinds"]:
+            p = r["plan"]
+            name = {"ivf": f"IVF-Flat {p['nlist']}", "hnsw": f"HNSW{p['hnsw_m']}",
+                    "ivfpq": f"IVF{p['nlist']}-PQ{p['pq_m']}{'x4 fast-scan' if p['fastscan'] else ''}"
+                             f"{' + exact re-rank' if p['k_factor'] else ''}"}[p["type"]]
+            knobs = ", ".join(f"{k} {r[k]}" for k in ("nprobe", "ef_search", "k_factor") if k in r)
+            gpu = f" (GPU: {r['gpu']['qps']:,.0f})" if r.get("gpu") else ""
+            lines.append(f"| {name} | {knobs} | {r['recall']:.3f} | {r['qps']:,.0f}{gpu} | "
+                         f"{r['memory_bytes'] / 1e6:,.0f} | {r['build_s']:.0f} |")
+        lines.append("")
+    return lines
+
 
 
 def _accept(row: dict) -> str:
@@ -37,11 +81,10 @@ def http_lines(report: dict) -> list[str]:
 
 
 def one_core_section(report: dict) -> list[str]:
-    from render_docs import faiss_lines, int8_lines, machine_line
     m = report["machine"]
     cores, threads = m["cores_visible"], report.get("threads", 1)
     lines = [f"Machine: {machine_line(m)}, {cores} core{'s' if cores > 1 else ''} used ({threads} ONNX Runtime "
-             f"/ FAISS thread{'s' if threads > 1 else ''}). {_sentence(report.get('note', ''))}".rstrip(), ""]
+             f"/ FAISS thread{'s' if threads > 1 else ''}). {sentence(report.get('note', ''))}".rstrip(), ""]
     if "int8" in report:
         lines += int8_lines(report["int8"])
     if "faiss_tuned" in report:
@@ -52,9 +95,8 @@ def one_core_section(report: dict) -> list[str]:
 
 
 def profile_section(report: dict) -> list[str]:
-    from render_docs import machine_line
     us = report["per_request_us"]
-    lines = [f"Machine: {machine_line(report['machine'])}. {_sentence(report.get('note', ''))}".rstrip(), "",
+    lines = [f"Machine: {machine_line(report['machine'])}. {sentence(report.get('note', ''))}".rstrip(), "",
              ("Per request, in-process (µs): "
              f"multipart parse {us['multipart_parse_us']:.0f}, decode + preprocess {us['decode_preprocess_us']:.0f}, "
              f"response with standard-library JSON {us['json_stdlib_response_us']:.0f} (before), orjson JSON "
@@ -83,7 +125,6 @@ def profile_section(report: dict) -> list[str]:
 
 
 def sections(results: Path) -> list[str]:
-    import json
     lines: list[str] = []
     two = results / "serve_bench-2core.json"
     if two.exists():
@@ -102,12 +143,11 @@ def sections(results: Path) -> list[str]:
         lines += one_core_section(report)
     faiss = results / "faiss_1m-1core.json"
     if faiss.exists():
-        from render_docs import faiss_lines, machine_line
         report = json.loads(faiss.read_text())
         lines += ["### FAISS at a million vectors, one core", "",
                   (f"`taskset -c 1 python benchmarks/faiss_bench.py --bundle bundles/{Path(report['bundle']).name} "
                    f"--kinds {' '.join(report['kinds'])}` (with `OMP_NUM_THREADS=1`)."), "",
-                  f"Machine: {machine_line(report['machine'])}. {_sentence(report.get('note', ''))}".rstrip(), ""]
+                  f"Machine: {machine_line(report['machine'])}. {sentence(report.get('note', ''))}".rstrip(), ""]
         lines += faiss_lines(report["faiss_tuned"])
     prof = results / "embed_profile.json"
     if prof.exists():

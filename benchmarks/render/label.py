@@ -1,13 +1,12 @@
-"""Plot and markdown for ``benchmarks/label_efficiency.py``, rendered from its JSON (so ``docs/results.md`` can be
-rebuilt without rerunning anything)."""
+"""The label-efficient loop's section of docs/results.md and its plot, from benchmarks/label_efficiency.py's JSON."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-JSON_PATH = ROOT / "benchmarks" / "results" / "label_efficiency.json"
-PLOT_PATH = Path("docs") / "label_efficiency.png"
+from benchmarks.common import describe_machine
+from benchmarks.protocol import LABEL_JSON, LABEL_PNG
+
 FEATURES = {"onnx": "MSN", "pixels": "raw pixels"}
 HEADER = "## The label-efficient loop: which images to label"
 
@@ -46,7 +45,7 @@ def _cell(v: dict | None) -> str:
 def render_label_efficiency(report: dict) -> str:
     budgets = [str(b) for b in report["budgets"]]
     lines = [HEADER, "",
-             (f"`python benchmarks/label_efficiency.py` on {report['machine']} (pinned to core(s) "
+             (f"`python benchmarks/label_efficiency.py` on {describe_machine(report['machine'])} (pinned to core(s) "
               f"{report.get('cores_used', '?')}), bundle `{report['bundle']}` "
               f"(`{report.get('bundle_model_id', '?')}`). The 60,000 Fashion-MNIST training images are the "
               "unlabelled pool, the 10,000 test images score the classifier; labels are revealed only for picked "
@@ -101,7 +100,7 @@ def render_label_efficiency(report: dict) -> str:
         for name, row in lat.items():
             if isinstance(row, dict) and "p50_ms" in row:
                 lines.append(f"| {name} | {row['p50_ms']:.0f} | {row.get('p95_ms', row['max_ms']):.0f} |")
-    lines += ["", f"![accuracy against labels given; raw pixels dashed]({PLOT_PATH.name})", "",
+    lines += ["", f"![accuracy against labels given; raw pixels dashed]({LABEL_PNG.name})", "",
               ("How to read it: which images get labelled matters more than the features at 10 labels"
                + _coverage(report) + ". The selector's gain holds "
                "on both feature sets; whether MSN features beat raw pixels in this loop depends on the encoder "
@@ -120,23 +119,7 @@ def _coverage(report: dict) -> str:
             f"drawn uniformly, {mean['select']:.1f} when selected; mean over {len(cov['random'])} seeds)")
 
 
-def render_into_results(docs: Path) -> None:
-    """Put this section into ``docs/results.md`` in place (replacing an older one, else before the discussion),
-    leaving the other sections as they are (``results_report.render`` places it the same way)."""
-    path, text = docs / "results.md", (docs / "results.md").read_text()
-    new = section(docs)
-    start = text.find(HEADER)
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + new + ("\n" + text[end + 1:] if end >= 0 else "")
-    elif "\n## Discussion" in text:
-        at = text.index("\n## Discussion") + 1
-        text = text[:at] + new + "\n" + text[at:]
-    else:
-        text = text.rstrip() + "\n\n" + new
-    path.write_text(text.rstrip() + "\n")
-
-
 def section(docs: Path) -> str | None:
-    path = docs.parent / "benchmarks" / "results" / JSON_PATH.name
+    """The section, when the JSON exists beside ``docs`` (``docs/../benchmarks/results``)."""
+    path = docs.parent / "benchmarks" / "results" / LABEL_JSON.name
     return render_label_efficiency(json.loads(path.read_text())) if path.exists() else None

@@ -1,4 +1,7 @@
-"""Stored vectors of an index, given back: what fit-from-ids, select, suggest and predict_index read.
+"""Stored vectors of an index, given back in the classifier's space: what fit-from-ids and the label loop read.
+
+It lives with the classifiers, not the indexes, because the space is the classifier's: the index store knows nothing
+of classifiers, and the label loop reads indexes (one direction).
 
 Every index kind the service creates can give its vectors back exactly: ``flat`` and ``hnsw`` through their flat
 storage (``IndexIDMap2`` keeps the id of each row), ``ivf`` (``IndexIVFFlat``) from its inverted lists, which hold
@@ -6,9 +9,9 @@ the raw float32 rows. ``ivfpq`` (only from ``msn-index build``) keeps product-qu
 cannot be recovered: the label loop refuses it with a 422 that says so.
 
 The vectors are kept in the low-shot classifier's space (each row centred and L2-normalised,
-:func:`msn_serve.classifiers.labelloop.as_space`): the classifier normalises its input the same way, so a fit on them equals a
-fit on the raw embeddings (whether the index normalised them or not), and select/suggest/predict_index work on them
-without converting anything per call. The matrix is built once per index version (``seq``) and kept beside the
+:func:`msn_serve.classifiers.labelloop.as_space`): the classifier normalises its input the same way, so a fit on
+them equals a fit on the raw embeddings (whether the index normalised them or not), and select/suggest/predict_index
+work on them without converting anything per call. The matrix is built once per index version (``seq``) and kept beside the
 index (FAISS' own storage may change under a later add): one more copy of the vectors, 77 MB at 100k x 192.
 """
 from __future__ import annotations
@@ -16,9 +19,9 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
+from msn_serve.classifiers.labelloop import as_space
 from msn_serve.errors import unprocessable
 from msn_serve.indexes.managed import ManagedIndex
-from msn_serve.classifiers.labelloop import as_space
 
 LOOP_KINDS = ("flat", "ivf", "hnsw")
 

@@ -1,0 +1,87 @@
+"""A measuring plan as a list of resumable steps (pretrain, export, evaluate), shared by paper_tables.py and
+budget_curve.py: a step whose outputs exist is skipped, so an interrupted plan continues where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import REPO as ROOT
+from msn_core.durable import atomic_write_json
+
+
+@dataclass
+class Step:
+    name: str
+    command: list[str]  # what it runs (for a Python step, the equivalent command line)
+    outputs: list[Path]
+    action: Callable[[], None]
+
+    def done(self) -> bool:
+        return bool(self.outputs) and all(p.exists() for p in self.outputs)
+
+
+def subprocess_action(command: list[str]) -> Callable[[], None]:
+    return lambda: subprocess.run(command, cwd=ROOT, check=True)
+
+
+def set_args(overrides: dict) -> list[str]:
+    return [arg for k, v in overrides.items() for arg in ("--set", f"{k}={json.dumps(v)}")]
+
+
+def eval_step(work: Path, bundle: str, command: str, args: list[str], tag: str | None = None,
+               pixels_source: str = "msn") -> Step:
+    """``msn-eval COMMAND`` on ``work/bundles/BUNDLE``; ``pixels`` reads the preprocessing of ``pixels_source``."""
+    out = work / "evals" / f"{bundle}-{tag or command}.json"
+    source = pixels_source if bundle == "pixels" else bundle
+    argv = [command, "--bundle", str(work / "bundles" / source), "--data", "fashion-mnist",
+            "--cache-dir", str(work / "feature-cache"), "--json", str(out), *args]
+
+    def run() -> None:
+        from training.evaluation.cli import main
+
+        main(argv)
+
+    return Step(f"eval {bundle} {tag or command}", ["msn-eval", *argv], [out], run)
+
+
+def export_random_init(reference: Path, out: Path, seed: int) -> None:
+    """A randomly initialised trunk of the same architecture and preprocessing as the MSN bundle."""
+    import torch
+
+    from msn_core.bundle import load_bundle_info
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
+
+    info = load_bundle_info(reference)
+    torch.manual_seed(seed)
+    export_bundle(VisionTransformer(**info.architecture.encoder_kwargs()), out, arch=info.architecture.name,
+                  preprocessing=info.preprocessing.to_dict(), source_kind="random-init")
+
+
+def print_plan(steps: list[Step], force: bool = False) -> None:
+    for i, step in enumerate(steps, 1):
+        state = "done" if step.done() and not force else "todo"
+        print(f"{i:2d}. [{state}] {step.name}\n      {shlex.join(step.command)}")
+
+
+def run_steps(steps: list[Step], work: Path, force: bool = False) -> dict[str, float]:
+    """Run the steps not done yet; return every step's duration in seconds (kept in ``work/timings.json``)."""
+    timings_path = work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    for i, step in enumerate(steps, 1):
+        if step.done() and not force:
+            continue
+        print(f"[{i}/{len(steps)}] {step.name}", flush=True)
+        start = time.perf_counter()
+        step.action()
+        timings[step.name] = time.perf_counter() - start
+        work.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(timings_path, timings)
+    return timings
+

@@ -1,0 +1,122 @@
+"""Few-shot classifiers as a service: fit (in the fit pool), predict, list/delete, and the label loop.
+
+Methods take names, arrays and :class:`~msn_serve.embedding.service.Inputs` and give back classifiers, arrays and
+dicts; blocking work (stores, FAISS, numpy over many rows) runs in the shared :class:`~msn_serve.work.WorkPool`. The
+label loop reads the indexes through the :class:`~msn_serve.indexes.service.IndexService` at call time, so a reader's
+reload (which swaps both stores) is seen by the next call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from msn_serve.classifiers import labelling
+from msn_serve.classifiers.fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
+from msn_serve.classifiers.fitpool import FitPool
+from msn_serve.config import Settings
+from msn_serve.embedding.service import EmbeddingService, Inputs
+from msn_serve.errors import read_only_replica, unprocessable
+from msn_serve.indexes.service import IndexService
+from msn_serve.limits import check_results
+from msn_serve.metrics import Metrics
+from msn_serve.work import WorkPool
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Top-k classes of each query, most probable first."""
+
+    classes: list[str]
+    top: np.ndarray  # (n, k') indices into classes
+    probability: np.ndarray  # (n, k')
+
+
+class ClassifierService:
+    """The classifier store (swapped on a reader's reload), the fit pool and the label loop's prediction cache."""
+
+    def __init__(self, settings: Settings, store: ClassifierStore, *, embedding: EmbeddingService,
+                 indexes: IndexService, work: WorkPool, metrics: Metrics, read_only: bool):
+        self.settings, self.store, self.read_only = settings, store, read_only
+        self.embedding, self.indexes, self.work = embedding, indexes, work
+        self.embed_dim = embedding.info.embed_dim
+        self.fits = FitPool(workers=settings.fit_workers, max_queued=settings.max_queued_fits,
+                            timeout_s=settings.fit_timeout_s, threads=settings.fit_threads,
+                            on_change=metrics.fits.set)
+        self.predictions = labelling.PredictionCache()
+
+    def close(self) -> None:
+        self.fits.close()
+
+    # ---- the store ---------------------------------------------------------------------------------------------
+    def get(self, name: str) -> FewShotClassifier:
+        """The classifier named ``name`` (404 when there is none)."""
+        return self.store.get(name)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return self.store.describe()
+
+    async def delete(self, name: str) -> None:
+        await self.work.run(self.store.delete, name)  # the store refuses on a read-only replica
+
+    # ---- fit and predict ---------------------------------------------------------------------------------------
+    async def fit(self, name: str, labels: list[str], inputs: Inputs, *, lambd: float | None = None,
+                  overwrite: bool = False, index: str | None = None, ids: np.ndarray | None = None
+                  ) -> FewShotClassifier:
+        """Fit (in a worker process) and store a classifier on images, vectors, or the stored vectors of ``ids``
+        of ``index``, one label each; ``lambd`` defaults to the settings' (the low-shot protocol's)."""
+        if self.read_only:
+            raise read_only_replica()
+        s = self.settings
+        self.store.check_free(name, overwrite=overwrite)  # before the embedding and fitting work
+        if index is not None:  # the label loop: the stored vectors of ids of an index
+            if inputs.images:
+                raise unprocessable("send either index + ids or images, not both")
+            if len(labels) != len(ids):
+                raise unprocessable(f"{len(labels)} labels for {len(ids)} ids")
+            x = await self.work.run(labelling.fit_vectors, self.indexes.store, index, ids)
+        elif len(labels) != inputs.count:
+            raise unprocessable(f"{len(labels)} labels for {inputs.count} images/embeddings")
+        else:
+            x = await self.embedding.vectors(inputs, "embeddings", self.embed_dim)
+        await self.work.run(lambda: check_fit_data(x, labels, max_classes=s.max_fit_classes))
+        lambd = lambd if lambd is not None else s.default_lambd
+        model = await self.fits.fit(x, labels, lambd=lambd)
+        clf = from_fit(name, model, labels, dim=int(x.shape[1]), lambd=lambd, seconds=model.fit_seconds)
+        if index is not None:
+            clf.info["index"], clf.fit_ids = index, ids
+        await self.work.run(lambda: self.store.put(clf, overwrite=overwrite))
+        return clf
+
+    async def predict(self, name: str, inputs: Inputs, k: int) -> Predictions:
+        """Top-``k`` classes (capped at the class count) of each image or vector."""
+        clf = self.get(name)
+        check_results(inputs.count, min(k, len(clf.classes)), self.settings.max_results_per_request)
+        x = await self.embedding.vectors(inputs, "embeddings", self.embed_dim)
+        top, prob = await self.work.run(clf.top_k, x, k)
+        return Predictions(classes=clf.classes, top=top, probability=prob)
+
+    # ---- the label loop (msn_serve.classifiers.labelling) ------------------------------------------------------
+    async def select(self, index: str, *, n: int, strategy: str, seed: int,
+                     exclude_ids: np.ndarray | None) -> dict[str, Any]:
+        """What to label first: ``n`` diverse, representative ids of ``index``."""
+        return await self.work.run(lambda: labelling.select(
+            self.indexes.store, index, n=n, strategy=strategy, seed=seed, exclude_ids=exclude_ids,
+            candidates=self.settings.select_candidates))
+
+    async def suggest(self, name: str, *, index: str, n: int, strategy: str, seed: int,
+                      exclude_ids: np.ndarray | None) -> dict[str, Any]:
+        """The next ids of ``index`` to label for classifier ``name``."""
+        clf = self.get(name)
+        return await self.work.run(lambda: labelling.suggest(
+            self.indexes.store, clf, index=index, n=n, strategy=strategy, seed=seed, exclude_ids=exclude_ids,
+            candidates=self.settings.select_candidates))
+
+    async def predict_index(self, name: str, *, index: str, offset: int, limit: int | None, k: int,
+                            order: str) -> labelling.IndexPage:
+        """One page of classifier ``name``'s predictions over the items of ``index``."""
+        clf, s = self.get(name), self.settings
+        return await self.work.run(lambda: labelling.predict_index(
+            self.indexes.store, clf, self.predictions, index=index, offset=offset, limit=limit, k=k, order=order,
+            max_page=s.max_page, max_results=s.max_results_per_request))
