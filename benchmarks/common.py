@@ -85,6 +85,8 @@ def describe_machine(m: dict | str) -> str:
     if isinstance(m, str):
         return m
     text = f"{m.get('cpu', 'unknown CPU')}, {m.get('cpu_count') or m.get('cores_visible')} cores"
+    if m.get("cpu_flags"):
+        text += " (" + " ".join(m["cpu_flags"]) + ")"
     return text + (f", GPU {m['gpu']}" if m.get("gpu") else "")
 
 

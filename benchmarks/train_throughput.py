@@ -142,12 +142,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", choices=("msn", "anchor-only"), default=["msn", "anchor-only"])
     parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), help="default: see above")
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="per-process batches (default: the preset's)")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every row, e.g. --set run.compile=true (repeatable)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name (train_throughput-PRESET-TAG.json)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--note", default="", help="recorded with the results, e.g. what else ran on the machine")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for preset in args.preset or ["cpu-small"]:
         config, overrides = split_preset(PRESETS[preset])
+        overrides = overrides + args.extra
         device = "cuda" if "run.device=cuda" in overrides else "cpu"
         precisions = args.precisions or default_precisions(device)
         ceilings = {p: matmul_ceiling(device, p) for p in precisions}
@@ -169,9 +173,10 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         report = {"benchmark": "train_throughput", "preset": preset, "config": config, "overrides": overrides,
+                  "extra": args.extra,
                   "machine": machine(), "note": args.note, "ceilings_gflops": {p: c / 1e9 for p, c in ceilings.items()},
                   "rows": rows}
-        save_json(args.out_dir / f"train_throughput-{preset}.json", report)
+        save_json(args.out_dir / f"train_throughput-{preset}{'-' + args.tag if args.tag else ''}.json", report)
     print("docs: python benchmarks/render_docs.py")
 
 

@@ -24,6 +24,7 @@ from training.masking import as_keep_tensor, encoder_keep_args
 from training.model.load import load_encoder
 from training.model.msn import ema_update
 from training.model.readout import feature_spec, read_feature
+from training.run.precision import autocast_factory, resolve_precision
 from training.run.state import Progress, batches_from, restore_progress, save_progress
 from training.views import eval_transform
 
@@ -33,6 +34,7 @@ __all__ = [
     "FashionMNIST",
     "Progress",
     "as_keep_tensor",
+    "autocast_factory",
     "barrier",
     "batches_from",
     "build_dataclass",
@@ -48,6 +50,7 @@ __all__ = [
     "load_encoder",
     "read_feature",
     "read_raw_config",
+    "resolve_precision",
     "restore_progress",
     "save_progress",
 ]

@@ -77,7 +77,7 @@ class OptimConfig:
 class RunConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 on CUDA) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 where the hardware has it: training.run.precision) | fp32 | bf16
     log_every_steps: int = 25
     checkpoint_every_steps: int = 250
     sample_every_steps: int = 500  # 0: only at the end

@@ -16,7 +16,6 @@ import copy
 import json
 import logging
 import math
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from tqdm import tqdm
 from training.api import (
     DistInfo,
     Progress,
+    autocast_factory,
     barrier,
     batches_from,
     build_dataset,
@@ -34,6 +34,7 @@ from training.api import (
     ema_update,
     eval_transform,
     init_distributed,
+    resolve_precision,
     restore_progress,
     save_progress,
 )
@@ -133,8 +134,8 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     model: nn.Module = decoder
     if info.world_size > 1:
         model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
-    use_bf16 = cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and device.type == "cuda")
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+    precision = resolve_precision(cfg.run.precision, device)  # auto: bf16 where native (GPU, AMX/AVX512-BF16 CPU)
+    autocast = autocast_factory(precision, device)
     grid_images = _grid_batch(cfg, load_size) if is_main else None
     total = cfg.optim.max_steps
     bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True,
@@ -142,7 +143,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     if is_main:
         params = sum(p.numel() for p in decoder.parameters()) / 1e6
         bar.write(f"RCDM decoder: {params:.2f}M parameters, {len(dataset)} images, {steps_per_epoch} steps/epoch, "
-                  f"world size {info.world_size}, device {device}, conditioning on {encoder.model_id}")
+                  f"world size {info.world_size}, device {device}, {precision}, conditioning on {encoder.model_id}")
 
     def save() -> None:
         payload = {"config": cfg.to_dict(), "cond_dim": encoder.dim,

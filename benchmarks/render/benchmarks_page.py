@@ -11,7 +11,7 @@ from benchmarks.render.text import machine_line
 
 def train_section(report: dict) -> list[str]:
     return [
-        f"### `{report['preset']}`",
+        f"### `{report['preset']}`" + (f" ({', '.join(report['extra'])})" if report.get("extra") else ""),
         "",
         f"Machine: {machine_line(report['machine'])}. Overrides: `{' '.join(report['overrides'])}`.",
         "",

@@ -1,7 +1,7 @@
 """Steps that fit in a wall-clock budget: users think in minutes and GPU-hours, not epochs.
 
 With ``optim.budget_minutes``, ``training/run/length.py`` has ``plan_budget`` time a few real optimiser steps on
-the first batch before the run (every weight, optimiser moment and RNG stream is put back afterwards, so
+batches from the loader before the run (every weight, optimiser moment and RNG stream is put back afterwards, so
 calibration leaves no trace) and keeps the step count that ends the cosine learning-rate, weight-decay and EMA
 schedules with the budget. The count is stored in the checkpoint: ``--resume`` follows the same schedules and does
 not measure again.
@@ -27,7 +27,7 @@ from training.checkpoint import capture_rng_state, restore_rng_state
 __all__ = ["BudgetPlan", "plan_budget", "steps_for_budget"]
 
 # Steps timed after the untimed warm-up ones (allocator, thread pools, compilation); enough for a stable median.
-CALIBRATION_STEPS = 8
+CALIBRATION_STEPS = 16
 WARMUP_STEPS = 3
 
 
