@@ -48,6 +48,7 @@ from msn_core.durable import atomic_write_json
 CONFIG = ROOT / "configs" / "fmnist_vit_tiny.yaml"  # the small-image recipe, as `make demo` trains it
 BUDGET, SEED = "optim.budget_minutes", "run.seed"  # pretraining config keys (training/config.py)
 SHOTS = ("1", "2", "5", "1percent")
+PAPER_CLS = ["--backend", "torch", "--feature", "cls_pre_norm"]  # the last block's CLS before the final norm
 
 
 def pretrain_step(work: Path, config: Path, minutes: float, seed: int) -> Step:
@@ -85,6 +86,10 @@ def build_plan(work: Path, config: Path, budgets: list[float], seed: int) -> lis
         steps.append(eval_step(work, bundle, "lowshot", ["--shots", *SHOTS, "--splits", "3", *extra],
                                pixels_source=first))
         steps.append(eval_step(work, bundle, "knn", extra, pixels_source=first))
+    for bundle in map(budget_bundle, budgets):  # the paper's protocol beside the served feature (msn.json's)
+        steps.append(eval_step(work, bundle, "lowshot", ["--shots", *SHOTS, "--splits", "3", *PAPER_CLS],
+                               tag="cls-lowshot"))
+        steps.append(eval_step(work, bundle, "knn", PAPER_CLS, tag="cls-knn"))
     return steps
 
 

@@ -35,7 +35,10 @@ def render_budget(result: dict) -> str:
         run = result["runs"][name]
         label = (f"MSN, {minutes:g} min ({run['steps']} steps, {run['images_per_sec']:.0f} img/s, "
                  f"{run['epochs']} epochs)")
-        rows.append((name, label))
+        feature = ev.get(f"{name}-lowshot", {}).get("feature")
+        rows.append((name, label + (f": served `{feature}`" if feature else "")))
+        if f"{name}-cls-lowshot" in ev:  # the paper's protocol beside the served feature (issue 21 on)
+            rows.append((f"{name}-cls", f"MSN, {minutes:g} min: paper's `cls_pre_norm`"))
     rows += [("random_init", "random-init ViT"), ("pixels", "raw pixels")]
 
     def knn(bundle: str) -> list[str]:

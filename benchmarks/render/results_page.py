@@ -19,6 +19,7 @@ from benchmarks.protocol import (
 )
 from benchmarks.render.budget import render_budget
 from benchmarks.render.evals import accuracy_cell, lowshot_rows, mean_accuracy
+from benchmarks.render.features import render_feature_choice
 from benchmarks.render.label import section as label_section
 from benchmarks.render.text import table
 
@@ -135,6 +136,9 @@ def render(docs: Path) -> str:
         parts.append(render_budget(json.loads(budget.read_text())))
     if rcdm.exists():
         parts.append(render_rcdm(json.loads(rcdm.read_text())))
+    features = render_feature_choice(docs.parent / "benchmarks" / "results")
+    if features:
+        parts.append(features)
     label = label_section(docs)
     if label:
         parts.append(label)
