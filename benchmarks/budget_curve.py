@@ -3,6 +3,7 @@
     python benchmarks/budget_curve.py --dry-run                 # print the plan, run nothing
     python benchmarks/budget_curve.py                           # 10, 30 and 60 min of the demo recipe (~2 h)
     python benchmarks/budget_curve.py --budgets 10 --seed 1     # another seed of one point
+    python benchmarks/budget_curve.py --budgets 60 --merge      # one more budget added to the existing curve
 
 Each budget is its own pretraining run of ``configs/fmnist_vit_tiny.yaml`` with ``optim.budget_minutes`` set, so
 every schedule (learning rate, weight decay, EMA) ends when its budget does: the points are what a user gets from
@@ -108,6 +109,21 @@ def collect(work: Path, config: Path, budgets: list[float], seed: int) -> dict:
             "evals": evals}
 
 
+def merge(old: dict, new: dict) -> dict:
+    """``new``'s budgets added to ``old``'s curve; the baselines (pixels, random init) are ``new``'s measurements.
+
+    Refused unless both ran the same config and seed on the same CPU model: a curve mixes no machines."""
+    for key, value in (("config", new["config"]), ("seed", new["seed"])):
+        if old.get(key) != value:
+            raise SystemExit(f"--merge: the existing curve has {key} {old.get(key)!r}, this run {value!r}")
+    if old["machine"].get("cpu") != new["machine"].get("cpu"):
+        raise SystemExit(f"--merge: the existing curve was measured on {old['machine'].get('cpu')!r}, this run on "
+                         f"{new['machine'].get('cpu')!r}")
+    budgets = sorted(set(old["budgets"]) | set(new["budgets"]))
+    return {**old, "budgets": budgets, "runs": {**old["runs"], **new["runs"]},
+            "evals": {**old["evals"], **new["evals"]}, "merged": [*old.get("merged", []), new["machine"]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=float, nargs="+", default=[10, 30, 60], help="minutes, one run each")
@@ -116,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="runs, bundles, evaluations (default: runs/budget/seed<S>)")
     parser.add_argument("--docs", type=Path, default=DOCS, help="where budget_curve.json goes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--merge", action="store_true",
+                        help="add these budgets to the existing budget_curve.json (same config, seed and CPU model) "
+                             "instead of replacing it: a long budget can be run on its own, later")
     args = parser.parse_args(argv)
     budgets = sorted(set(args.budgets))
     work = (args.workdir or ROOT / "runs" / "budget" / f"seed{args.seed}").resolve()
@@ -126,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_steps(steps, work)
     result = collect(work, config, budgets, args.seed)
+    if args.merge and (docs / BUDGET_JSON).is_file():
+        result = merge(json.loads((docs / BUDGET_JSON).read_text()), result)
     atomic_write_json(docs / BUDGET_JSON, result)
     print(f"wrote {docs / BUDGET_JSON}; docs and plot: python benchmarks/render_docs.py --plots")
     return 0

@@ -30,7 +30,7 @@ def candidates(depth: int, grid: int) -> list[str]:
     names = ["cls_pre_norm", "cls_post_norm", "cls_last2"]
     if depth >= 4:
         names.append("cls_last4")
-    names.append("patch_tokens")
+    names += ["patch_tokens", "cls_patch_tokens"]
     names += [f"patch_grid{g}" for g in (1, 2) if grid % g == 0 and g < grid]
     return names
 

@@ -87,15 +87,16 @@ def load(url: str, images: list[bytes], concurrency: int, total: int, masks: lis
             "accept": accept or "application/json"}
 
 
-def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: int) -> dict:
-    """In-process decode + preprocess + batched ORT: what the server could reach with zero HTTP overhead."""
+def offline(bundle: Path, images: list[bytes], batch: int, threads: int, total: int, engine=None) -> dict:
+    """In-process decode + preprocess + batched inference (``engine``, by default ONNX Runtime fp32): what the
+    server could reach with zero HTTP overhead."""
     from concurrent.futures import ThreadPoolExecutor
 
     from msn_core.bundle import load_bundle_info
     from msn_serve.embedding.engine import Engine
     from msn_serve.embedding.preprocess import preprocess_bytes
     info = load_bundle_info(bundle)
-    eng = Engine(info, intra_op_threads=threads)
+    eng = engine or Engine(info, intra_op_threads=threads)
     keep_all = np.arange(info.num_patches, dtype=np.int64)
     pool = ThreadPoolExecutor(2)
     eng.run(np.zeros((batch, info.in_chans, info.image_size, info.image_size), np.float32),
@@ -176,9 +177,11 @@ def http_section(result: dict, bundle: Path, tmp: Path, a: argparse.Namespace, p
     CPU per image / server CPU per image (what the server would reach with its cores to itself)."""
     images = test_images(16)
     wait_ms = 2.0
+    # ONNX Runtime fp32, as the offline side runs it (benchmarks/vits_bench.py measures --precision auto).
     proc, url = start_server(bundle, tmp / "data", ["--max-batch-size", str(a.batch), "--max-wait-ms", str(wait_ms),
                                                     "--intra-op-threads", str(a.threads), "--device", a.device,
-                                                    "--queue-size", "4096"])
+                                                    "--queue-size", "4096", "--precision", "fp32",
+                                                    "--runtime", "onnxruntime"])
     total_offline = max(64, 16 * per_client)
 
     def http(c: int, accept: str | None = None, masks: list[str | None] | None = None) -> dict:

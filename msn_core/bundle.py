@@ -60,7 +60,9 @@ GRAPH_INPUTS = ("pixel_values", "keep_idx")
 LEGACY_MASK_INPUT = "keep_mask"
 OUTPUT_NAME = "embedding"
 INT8_ONNX_FILE = "model.int8.onnx"
-INT8_METHODS = ("dynamic", "static")  # ONNX Runtime quantization: weights only, or weights + calibrated activations
+# ONNX Runtime quantization: weights only (dynamic), or weights + calibrated activations as QLinear operators
+# (static) or as QuantizeLinear/DequantizeLinear pairs (qdq: the format OpenVINO also runs on int8 kernels).
+INT8_METHODS = ("dynamic", "static", "qdq")
 PRECISIONS = ("fp32", "int8")
 
 

@@ -8,6 +8,9 @@
   row-major order and flattened, ``num_patches * D`` wide: the feature that keeps the layout.
 - ``patch_grid<g>``: the same map average-pooled to a ``g x g`` grid (``g`` divides the patch grid), ``g * g * D``
   wide: the layout at a size that suits large grids (ViT-S/16 at 224 px: 14 x 14 -> 2 x 2 = 1,536-d).
+- ``cls_patch_tokens``: ``cls_post_norm`` scaled by ``sqrt(num_patches)``, then ``patch_tokens``,
+  ``(num_patches + 1) * D`` wide: what the image is and where things are, with equal weight (the scale gives the one
+  CLS token the energy of the whole map, so neither half drowns the other once the vector is L2-normalised).
 
 A dropped patch (masking) has no token: its place on the map is zero, and a pooled cell averages the kept patches
 it covers (zero when it covers none). So a spatial feature of a masked image says "nothing seen here" where the
@@ -19,7 +22,8 @@ import re
 from dataclasses import dataclass
 
 CLS_FEATURES = ("cls_pre_norm", "cls_post_norm")
-FEATURE_PATTERNS = ("cls_pre_norm", "cls_post_norm", "cls_last<n>", "patch_tokens", "patch_grid<g>")
+FEATURE_PATTERNS = ("cls_pre_norm", "cls_post_norm", "cls_last<n>", "patch_tokens", "patch_grid<g>",
+                    "cls_patch_tokens")
 _LAST = re.compile(r"cls_last([1-9][0-9]*)")
 _GRID = re.compile(r"patch_grid([1-9][0-9]*)")
 
@@ -30,7 +34,8 @@ class FeatureError(ValueError):
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """``kind`` is ``cls`` | ``cls_last`` | ``patch_tokens`` | ``patch_grid``; ``n`` the blocks or the grid side."""
+    """``kind`` is ``cls`` | ``cls_last`` | ``patch_tokens`` | ``patch_grid`` | ``cls_patch_tokens``; ``n`` the
+    blocks or the grid side."""
 
     name: str
     kind: str
@@ -39,15 +44,15 @@ class FeatureSpec:
 
     @property
     def spatial(self) -> bool:
-        return self.kind in ("patch_tokens", "patch_grid")
+        return self.kind in ("patch_tokens", "patch_grid", "cls_patch_tokens")
 
 
 def parse_feature(name: str) -> FeatureSpec:
     """The spec of a feature name; :class:`FeatureError` naming the valid patterns otherwise."""
     if name in CLS_FEATURES:
         return FeatureSpec(name, "cls", 1, pre_norm=name == "cls_pre_norm")
-    if name == "patch_tokens":
-        return FeatureSpec(name, "patch_tokens")
+    if name in ("patch_tokens", "cls_patch_tokens"):
+        return FeatureSpec(name, name)
     if m := _LAST.fullmatch(name):
         return FeatureSpec(name, "cls_last", int(m.group(1)))
     if m := _GRID.fullmatch(name):
@@ -74,4 +79,6 @@ def feature_dim(name: str, *, embed_dim: int, depth: int, grid: int) -> int:
         return spec.n * embed_dim
     if spec.kind == "patch_tokens":
         return grid * grid * embed_dim
+    if spec.kind == "cls_patch_tokens":
+        return (grid * grid + 1) * embed_dim
     return spec.n * spec.n * embed_dim

@@ -17,7 +17,9 @@ FLAGS: list[tuple[str, type, str]] = [
     ("port", int, "TCP port (default 8000; 0 = any free port)"),
     ("api-key-file", str, "file with the Bearer API key; omit for no auth"),
     ("device", str, "cpu or cuda (ONNX Runtime, and flat/IVF FAISS indexes where faiss has GPU support)"),
-    ("precision", str, "fp32 or int8 (the bundle's quantized graph, from msn-export --quantize int8; CPU)"),
+    ("precision", str, ("auto (default: the fastest gated choice on this CPU, measured at start-up), fp32, "
+                        "int8 (the bundle's guarded graph) or bf16 (OpenVINO, CPUs with bf16 units)")),
+    ("runtime", str, "auto (default), onnxruntime or openvino (CPU)"),
     ("max-batch-size", int, "images per inference batch"),
     ("max-wait-ms", float, "how long the first image of a batch waits for company"),
     ("queue-size", int, "images allowed to wait; beyond that requests get 503 + Retry-After"),
@@ -58,7 +60,8 @@ def parse_args(argv: Sequence[str] | None) -> dict:
     for name, typ, help_ in FLAGS:
         extra = {"choices": ["cpu", "cuda"]} if name == "device" else {}
         extra = {"choices": ["writer", "reader"]} if name == "role" else extra
-        extra = {"choices": ["fp32", "int8"]} if name == "precision" else extra
+        extra = {"choices": ["auto", "fp32", "int8", "bf16"]} if name == "precision" else extra
+        extra = {"choices": ["auto", "onnxruntime", "openvino"]} if name == "runtime" else extra
         p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_, **extra)
     p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,
                    help="on CUDA, serve the fp32 graph")

@@ -28,8 +28,12 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="API key given directly (prefer api_key_file)")
     device: Literal["cpu", "cuda"] = "cpu"
     fp16: bool = Field(True, description="on CUDA, run an fp16 variant of the model (fp32 inputs/outputs)")
-    precision: Literal["fp32", "int8"] = Field("fp32", description="int8 = the bundle's quantized CPU graph "
-                                                                   "(msn-export --quantize int8)")
+    precision: Literal["auto", "fp32", "int8", "bf16"] = Field(
+        "auto", description="auto = the fastest that passes the accuracy gate on this CPU, measured at start-up; "
+                            "int8 = the bundle's guarded quantized graph (msn-export --quantize int8); bf16 = "
+                            "OpenVINO on CPUs with bf16 units (docs/serving.md, 'Runtime and precision')")
+    runtime: Literal["auto", "onnxruntime", "openvino"] = Field(
+        "auto", description="CPU inference runtime; auto = whichever is faster here (with --precision)")
     max_batch_size: int = Field(32, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0)
     queue_size: int = Field(512, ge=1, description="images waiting for inference before new ones get 503")
@@ -86,9 +90,11 @@ class Settings(BaseSettings):
     def _role(self) -> Settings:
         if self.read_only and self.role == "writer":
             raise ValueError("read_only=true contradicts role=writer")
-        if self.precision == "int8" and self.device == "cuda":
-            raise ValueError("precision int8 is the bundle's CPU graph; on device cuda the fp16 variant is served "
-                             "(or fp32 with fp16=false)")
+        if self.precision in ("int8", "bf16") and self.device == "cuda":
+            raise ValueError(f"precision {self.precision} is the bundle's CPU graph; on device cuda the fp16 "
+                             "variant is served (or fp32 with fp16=false)")
+        if self.runtime == "openvino" and self.device == "cuda":
+            raise ValueError("runtime openvino is CPU-only here; device cuda runs ONNX Runtime's CUDA provider")
         return self
 
     @property

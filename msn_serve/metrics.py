@@ -33,7 +33,10 @@ class Metrics:
         self.fits = Gauge("msn_fits_in_flight", "few-shot fits running or waiting for a worker", registry=r)
         self.ready = Gauge("msn_ready", "1 when warmed up and inference works", registry=r)
         self.model_info = Gauge("msn_model_info", "the model served (always 1; the labels say which)",
-                                ["model_id", "precision", "device"], registry=r)
+                                ["model_id", "precision", "device", "runtime"], registry=r)
+        self.runtime_candidates = Gauge("msn_runtime_candidate_images_per_second",
+                                        "start-up images/s of each runtime/precision measured by --precision auto",
+                                        ["candidate"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

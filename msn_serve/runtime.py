@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from msn_core.bundle import ONNX_FILE, BundleInfo, load_bundle_info
+from msn_core.hardware import cpu_info
 from msn_serve.classifiers.fewshot import ClassifierStore
 from msn_serve.classifiers.service import ClassifierService
 from msn_serve.config import Settings
-from msn_serve.embedding.engine import Engine
+from msn_serve.embedding.choice import Request, RuntimeChoice, choose_engine
+from msn_serve.embedding.engine import Engine, InferenceEngine
 from msn_serve.embedding.service import EmbeddingService
 from msn_serve.errors import read_only_replica
 from msn_serve.indexes.service import IndexService
@@ -54,9 +56,11 @@ class Runtime:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             self._dir_lock = lock_data_dir(settings.data_dir)
             cache_dir = settings.data_dir / "cache"
-        engine = Engine(self.info, device=settings.device, intra_op_threads=settings.intra_op_threads,
-                        fp16=settings.fp16, cache_dir=cache_dir, precision=settings.precision)
-        self.metrics.model_info.labels(self.info.model_id, engine.precision, engine.device).set(1)
+        engine, self.runtime_choice = self._engine(cache_dir)
+        self.metrics.model_info.labels(self.info.model_id, engine.precision, engine.device, engine.runtime).set(1)
+        for name, figures in self.runtime_choice.candidates.items():
+            if "images_per_s" in figures:
+                self.metrics.runtime_candidates.labels(name).set(figures["images_per_s"])
         index_store, classifier_store = self._open_stores()
         self.work = WorkPool()
         self.embedding = EmbeddingService(settings, self.info, engine, self.metrics)
@@ -79,6 +83,17 @@ class Runtime:
             clean_temp_files(settings.data_dir)
             self.quarantined = classifier_store.load_all() + index_store.load_all()
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+    def _engine(self, cache_dir: Path) -> tuple[InferenceEngine, RuntimeChoice]:
+        """CUDA: ONNX Runtime's CUDA provider (its fp16 variant gated inside); CPU: the measured choice."""
+        s = self.settings
+        if s.device == "cuda":
+            engine = Engine(self.info, device="cuda", intra_op_threads=s.intra_op_threads, fp16=s.fp16,
+                            cache_dir=cache_dir, precision="fp32")
+            return engine, RuntimeChoice(engine.runtime, engine.precision, "cuda", cpu_info().describe())
+        request = Request(precision=s.precision, runtime=s.runtime, threads=s.intra_op_threads,
+                          max_batch_size=s.max_batch_size)
+        return choose_engine(self.info, request, cache_dir=cache_dir)
 
     def _open_stores(self) -> tuple[IndexStore, ClassifierStore]:
         """Empty stores: a writer's working files (loaded after the temp-file clean-up); a reader's stay empty until
@@ -129,4 +144,6 @@ class Runtime:
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         """``(ready, detail)`` for ``/readyz`` and the OIP health routes."""
-        return await self.embedding.readiness()
+        ready, detail = await self.embedding.readiness()
+        detail["runtime_choice"] = self.runtime_choice.describe()
+        return ready, detail

@@ -7,6 +7,7 @@ from pathlib import Path
 from benchmarks.render import speed
 from benchmarks.render.speed import faiss_lines, int8_lines
 from benchmarks.render.text import machine_line
+from benchmarks.render.vits import vits_section
 
 
 def train_section(report: dict) -> list[str]:
@@ -143,6 +144,13 @@ def render(results: Path) -> str:
                            "(about an hour): `python benchmarks/serve_bench.py --bundle bundles/bench`, with "
                            "`bundles/bench` exported from a Fashion-MNIST run as in "
                            "[serving.md](serving.md#benchmark)."), ""]
+    vits = results / "vits_bench.json"
+    if vits.exists() and "quick" not in (report := json.loads(vits.read_text()))["model"]:
+        lines += ["## Serving ViT-S/16 at 224 px (issue 22)", "",
+                  ("`python benchmarks/vits_bench.py`: every runtime and precision `msn-serve` offers on this CPU "
+                   "beside torch eager (the reference ceiling), what `--precision auto` serves, and HTTP at 1, 16 "
+                   "and 64 clients."), ""]
+        lines += vits_section(report)
     lines += speed.sections(results)
     hostile = results / "serve_hostile.json"
     if hostile.exists():

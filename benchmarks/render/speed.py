@@ -141,6 +141,14 @@ def sections(results: Path) -> list[str]:
                   (f"`taskset -c 1 python benchmarks/serve_bench.py --bundle bundles/{Path(report['bundle']).name} "
                    f"--only {' '.join(report['sections'])} --client-procs 1` (with `OMP_NUM_THREADS=1`)."), ""]
         lines += one_core_section(report)
+    faiss = results / "faiss_1m-2core.json"
+    if faiss.exists():
+        report = json.loads(faiss.read_text())
+        lines += ["### FAISS at a million vectors, two cores (issue 22)", "",
+                  (f"`python benchmarks/faiss_bench.py --kinds {' '.join(report['kinds'])} --corpora "
+                   f"{' '.join(c['corpus'] for c in report['faiss_tuned'])}`, nothing else running."), "",
+                  f"Machine: {machine_line(report['machine'])}. {sentence(report.get('note', ''))}".rstrip(), ""]
+        lines += faiss_lines(report["faiss_tuned"])
     faiss = results / "faiss_1m-1core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())

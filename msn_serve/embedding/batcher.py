@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from msn_core.masks import PAD, pad_keep
-from msn_serve.embedding.engine import Engine
+from msn_serve.embedding.engine import InferenceEngine
 from msn_serve.errors import ApiError
 from msn_serve.metrics import Metrics
 
@@ -63,7 +63,7 @@ def token_buckets(num_patches: int) -> list[int]:
 
 
 class Batcher:
-    def __init__(self, engine: Engine, metrics: Metrics, *, max_batch_size: int, max_wait_ms: float,
+    def __init__(self, engine: InferenceEngine, metrics: Metrics, *, max_batch_size: int, max_wait_ms: float,
                  queue_size: int, pad_shapes: bool | None = None):
         self.engine = engine
         self.metrics = metrics

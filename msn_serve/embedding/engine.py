@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -27,12 +27,27 @@ def _physical_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class InferenceEngine(Protocol):
+    """What the batcher needs of an engine: this module's :class:`Engine` (ONNX Runtime) or
+    :class:`~msn_serve.embedding.openvino_engine.OpenVinoEngine`; :mod:`msn_serve.embedding.choice` picks one."""
+
+    info: BundleInfo
+    runtime: str
+    precision: str
+    device: str
+    model_path: Path
+
+    def run(self, pixels: np.ndarray, keep_idx: np.ndarray) -> np.ndarray: ...
+
+
 class Engine:
     """One ONNX Runtime session plus the knowledge of how to feed it.
 
     Runs are serialised by a lock: the batcher already sends one batch at a time, and a single CUDA session has
     one stream anyway; the lock makes direct callers (warm-up, OIP) safe too.
     """
+
+    runtime = "onnxruntime"
 
     def __init__(self, info: BundleInfo, *, device: str = "cpu", intra_op_threads: int = 0,
                  fp16: bool = True, cache_dir: Path | None = None, precision: str = "fp32"):

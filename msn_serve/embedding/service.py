@@ -19,7 +19,7 @@ import numpy as np
 from msn_core.bundle import BundleInfo
 from msn_serve.config import Settings
 from msn_serve.embedding.batcher import Batcher
-from msn_serve.embedding.engine import Engine
+from msn_serve.embedding.engine import InferenceEngine
 from msn_serve.embedding.preprocess import PixelBudget, preprocess_bytes
 from msn_serve.errors import ApiError, too_large, unprocessable
 from msn_serve.metrics import Metrics
@@ -44,7 +44,7 @@ class Inputs:
 class EmbeddingService:
     """The bundle's encoder behind one batcher; the batcher exists from :meth:`start` (on the event loop) on."""
 
-    def __init__(self, settings: Settings, info: BundleInfo, engine: Engine, metrics: Metrics):
+    def __init__(self, settings: Settings, info: BundleInfo, engine: InferenceEngine, metrics: Metrics):
         self.settings, self.info, self.engine, self.metrics = settings, info, engine, metrics
         self.batcher: Batcher | None = None
         self.warmed = False
@@ -78,7 +78,8 @@ class EmbeddingService:
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = warmed up and the worker can run inference; after failures, probe with a real forward."""
         detail: dict[str, Any] = {"warmed_up": self.warmed, "model_id": self.info.model_id,
-                                  "precision": self.engine.precision, "device": self.engine.device}
+                                  "precision": self.engine.precision, "device": self.engine.device,
+                                  "runtime": self.engine.runtime}
         if self.warmup_error:
             detail["error"] = f"warm-up failed: {self.warmup_error}"
             return False, detail

@@ -189,6 +189,7 @@ def create_app(settings: Settings) -> FastAPI:
         return {"model_id": i.model_id, "dim": i.embed_dim, "patch_size": i.patch_size, "image_size": i.image_size,
                 "grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
                 "preprocessing": i.preprocessing.to_dict(), "device": engine.device, "precision": engine.precision,
+                "runtime": engine.runtime, "runtime_choice": runtime.runtime_choice.describe(),
                 "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms,
                 "role": runtime.role, "snapshot_version": runtime.snapshots.version}
 

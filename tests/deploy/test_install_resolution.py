@@ -42,6 +42,6 @@ def test_gpu_install_selects_the_gpu_builds_and_no_torch(tmp_path):
 @pytest.mark.slow
 def test_serve_install_is_cpu_only_and_has_no_torch(tmp_path):
     names = resolve(".[serve]", tmp_path)
-    assert {"onnxruntime", "faiss-cpu", "fastapi", "cyanure", "orjson"} <= names
+    assert {"onnxruntime", "openvino", "faiss-cpu", "fastapi", "cyanure", "orjson"} <= names
     assert not names & {"onnxruntime-gpu", "faiss-gpu"}
     assert not {n for n in names if n.startswith(("torch", "nvidia-"))}

@@ -89,6 +89,26 @@ def test_budget_curve_plans_one_run_per_budget_and_renders_its_table(tmp_path, c
     assert "test cpu" in text and "10 min: 0.10" in text
 
 
+def test_a_later_budget_merges_into_the_curve_of_the_same_machine_only():
+    import pytest
+
+    from benchmarks.budget_curve import merge
+
+    def curve(budget: int, cpu: str) -> dict:
+        name = f"budget-{budget}min"
+        return {"machine": {"cpu": cpu}, "config": "c.yaml", "seed": 0, "budgets": [budget],
+                "runs": {name: {"steps": budget}}, "evals": {f"{name}-knn": {"top1": budget},
+                                                             "pixels-knn": {"top1": cpu}}}
+
+    merged = merge(curve(10, "epyc"), curve(60, "epyc"))
+    assert merged["budgets"] == [10, 60] and set(merged["runs"]) == {"budget-10min", "budget-60min"}
+    assert {"budget-10min-knn", "budget-60min-knn", "pixels-knn"} == set(merged["evals"])
+    with pytest.raises(SystemExit, match="measured on 'epyc'"):
+        merge(curve(10, "epyc"), curve(60, "xeon"))
+    with pytest.raises(SystemExit, match="seed"):
+        merge(curve(10, "epyc"), {**curve(60, "epyc"), "seed": 1})
+
+
 def test_budget_verdict_compares_with_pixels_and_the_targets():
     from benchmarks.render.budget import render_budget
 

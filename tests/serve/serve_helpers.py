@@ -41,8 +41,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MSN_SERVE_")}
         env.update({"PYTHONUNBUFFERED": "1", **self.env})
+        # Pinned to ONNX Runtime fp32 unless a test asks otherwise: most tests compare embeddings with the fp32
+        # graph at tight tolerances, and --precision auto's choice depends on timing (test_runtime_choice.py).
+        pinned = [] if {"--precision", "--runtime"} & set(self.args) else ["--precision", "fp32",
+                                                                          "--runtime", "onnxruntime"]
         cmd = [sys.executable, *self.launcher, "--bundle", str(self.bundle), "--data-dir", str(self.data_dir),
-               "--port", str(self.port), "--intra-op-threads", "1", "--max-wait-ms", "2", *self.args]
+               "--port", str(self.port), "--intra-op-threads", "1", "--max-wait-ms", "2", *pinned, *self.args]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

@@ -45,7 +45,8 @@ def test_int8_is_served_and_reported(int8_server: Server, server: Server):
         assert c.get("/info").json()["precision"] == "int8"
         metrics = c.get("/metrics").text
     model_id = ready["model_id"]
-    assert f'msn_model_info{{device="cpu",model_id="{model_id}",precision="int8"}} 1.0' in metrics
+    assert (f'msn_model_info{{device="cpu",model_id="{model_id}",precision="int8",runtime="onnxruntime"}} 1.0'
+            in metrics)
     with server.client() as c:
         assert c.get("/readyz").json()["precision"] == "fp32"
         assert 'precision="fp32"' in c.get("/metrics").text

@@ -46,7 +46,7 @@ def test_quantize_int8_writes_a_guarded_graph_chosen_by_measurement(exported, tm
     int8, guard = meta["int8"], meta["int8"]["guard"]
     assert int8["file"] == "model.int8.onnx" and guard["passed"] and not guard["failures"]
     candidates = int8["speed"]["candidates"]
-    assert sorted(candidates) == ["dynamic", "static"]  # auto: both measured, the faster that passed kept
+    assert sorted(candidates) == ["dynamic", "qdq", "static"]  # auto: each measured, the fastest that passed kept
     passed = [m for m, c in candidates.items() if c["passed"]]
     assert int8["method"] == max(passed, key=lambda m: candidates[m]["images_per_s"])
     assert guard["cosine"]["min"] >= 0.99 and guard["cosine_masked"]["min"] >= 0.99

@@ -8,7 +8,8 @@ from msn_core.features import FeatureError, feature_dim, parse_feature
 from training.model.readout import feature_spec, read_feature
 from training.model.vit import VisionTransformer
 
-FEATURES = ("cls_pre_norm", "cls_post_norm", "cls_last2", "patch_tokens", "patch_grid2", "patch_grid1")
+FEATURES = ("cls_pre_norm", "cls_post_norm", "cls_last2", "patch_tokens", "patch_grid2", "patch_grid1",
+            "cls_patch_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,17 @@ def test_cls_features_are_the_forward_outputs(encoder):
         assert torch.equal(read_feature(encoder, parse_feature("cls_post_norm"), images), post)
         last2 = read_feature(encoder, parse_feature("cls_last2"), images)
     assert torch.allclose(last2[:, 32:], post)
+
+
+def test_cls_patch_tokens_is_the_scaled_cls_then_the_map(encoder):
+    images = torch.randn(2, 3, 16, 16)
+    keep = torch.tensor([[0, 5, 6, 15], [1, 2, -1, -1]])
+    with torch.no_grad():
+        both = read_feature(encoder, parse_feature("cls_patch_tokens"), images, keep, keep >= 0)
+        post = read_feature(encoder, parse_feature("cls_post_norm"), images, keep, keep >= 0)
+        tokens = read_feature(encoder, parse_feature("patch_tokens"), images, keep, keep >= 0)
+    assert torch.allclose(both[:, :32], 4.0 * post, atol=1e-5)  # sqrt(16 patches)
+    assert torch.equal(both[:, 32:], tokens)  # dropped patches stay zero
 
 
 def test_a_dropped_patch_is_zero_on_the_map_and_padding_changes_nothing(encoder):

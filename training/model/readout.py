@@ -37,6 +37,9 @@ def read_feature(encoder: VisionTransformer, spec: FeatureSpec, images: Tensor, 
     token_map, seen = _token_map(encoder.norm(blocks[-1][:, 1:]), keep_idx, grid_h * grid_w)
     if spec.kind == "patch_tokens":
         return token_map.flatten(1)
+    if spec.kind == "cls_patch_tokens":  # equal energy: one CLS token scaled to the size of the whole map
+        cls = encoder.norm(blocks[-1][:, 0]) * float(grid_h * grid_w) ** 0.5
+        return torch.cat([cls, token_map.flatten(1)], dim=-1)
     return _pool(token_map, seen, grid_h, grid_w, spec.n).flatten(1)
 
 
