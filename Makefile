@@ -51,7 +51,7 @@ demo: setup data
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 training/pretrain.py \
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
 	$(VENV)/bin/msn-export --checkpoint $(DEMO_RUN)/checkpoint.pt --out $(DEMO_BUNDLE)
-	@echo "== MSN, the feature the service serves (msn.json's feature: the target encoder's patch-token map):"
+	@echo "== MSN, the feature the service serves (msn.json's feature: the target encoder's CLS + patch-token map):"
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress
 	@echo "== MSN, the paper's protocol (last block's CLS before the final norm):"

@@ -151,6 +151,14 @@ def render(results: Path) -> str:
                    "beside torch eager (the reference ceiling), what `--precision auto` serves, and HTTP at 1, 16 "
                    "and 64 clients."), ""]
         lines += vits_section(report)
+    demo = results / "vits_bench-demo.json"
+    if demo.exists():
+        report = json.loads(demo.read_text())
+        lines += ["### The demo bundle", "",
+                  ("`python benchmarks/vits_bench.py --bundle bundles/demo --skip-http --batches 32`: the same "
+                   "table for the 10-minute Fashion-MNIST encoder (its int8 graph added to a copy, guarded on "
+                   "held-out Fashion-MNIST images)."), ""]
+        lines += vits_section(report)
     lines += speed.sections(results)
     hostile = results / "serve_hostile.json"
     if hostile.exists():

@@ -46,8 +46,11 @@ def vits_section(report: dict) -> list[str]:
                + "). " + "; ".join(verdicts) + ". Targets: ≥ 0.9 × torch bf16 on an AMX CPU; ≥ 2 × ORT fp32 on "
                "an AVX2-only CPU."), "",
               (f"The bundle's int8 graph ({g['method']}) passed the export guard on {g['heldout_images']} held-out "
-               f"synthetic images (min cosine {g['cosine_min']:.4f}, half-masked {g['cosine_masked_min']:.4f}); "
-               "the weights are random, so the low-shot half of the guard compares random features."), ""]
+               f"images (min cosine {g['cosine_min']:.4f}, half-masked {g['cosine_masked_min']:.4f}; low-shot "
+               + (", ".join(f"{k.replace('imgs_class', '-shot')} {v['int8']:.1f} vs {v['fp32']:.1f} %"
+                            for k, v in g["lowshot"].items()) if g.get("lowshot") else "skipped")
+               + ")" + ("; the weights are random, so the low-shot check compares random features."
+                        if "random" in report["model"] else ".")), ""]
     if "http" in report:
         h = report["http"]
         rows = [[str(r["concurrency"]), f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}"]

@@ -113,7 +113,7 @@ def _why_not(c: Candidate, info: BundleInfo, cpu: CpuInfo, ov_ok: bool, ov_why: 
                     "(re-quantize with --quantize-method qdq)")
     if c.precision == "bf16":
         if c.runtime == "onnxruntime":
-            return "ONNX Runtime's CPU provider has no bf16 kernels for this graph (bf16 is served by OpenVINO)"
+            return "ONNX Runtime's CPU provider has no bf16 kernels for this graph; OpenVINO serves bf16"
         if not cpu.bf16_native:
             return f"this CPU ({cpu.model}) has no bf16 matrix units (amx_bf16 or avx512_bf16)"
         if "BF16" not in caps:
