@@ -85,7 +85,8 @@ def plan(info: BundleInfo, request: Request, cpu: CpuInfo) -> tuple[list[Candida
     """The candidates allowed by ``request`` that can run here, and every other pair with the reason it cannot."""
     precisions = PRECISIONS if request.precision == "auto" else (request.precision,)
     runtimes = RUNTIMES if request.runtime == "auto" else (request.runtime,)
-    ov_ok, ov_why = openvino_status()
+    # OpenVINO is loaded only when it may run: it is not imported at all for --runtime onnxruntime.
+    ov_ok, ov_why = openvino_status() if "openvino" in runtimes else (False, "not asked for")
     caps = openvino_capabilities() if ov_ok else frozenset()
     keep: list[Candidate] = []
     excluded: dict[str, str] = {}
@@ -170,7 +171,7 @@ def images_per_second(engine: InferenceEngine, pixels: np.ndarray, keep: np.ndar
 def _cache_key(info: BundleInfo, request: Request, cpu: CpuInfo, batch: int) -> str:
     import onnxruntime as ort
 
-    ov_ok, ov_why = openvino_status()
+    ov_ok, ov_why = openvino_status() if request.runtime != "onnxruntime" else (False, "")
     key = {"model_id": info.model_id, "int8": info.int8.method if info.int8 else None, "cpu": cpu.model,
            "flags": sorted(cpu.flags), "cores": cpu.cores, "request": asdict(request), "batch": batch,
            "onnxruntime": ort.__version__, "openvino": ov_why if ov_ok else None}

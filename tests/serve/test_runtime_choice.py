@@ -3,10 +3,16 @@
 Real ONNX Runtime and OpenVINO sessions of the tiny test bundle (and of its QDQ int8 copy); the CPU's flags are
 simulated with ``MSN_CPU_FLAGS`` for the branches this machine does not take. Timings are never asserted: only that
 the fastest *measured* candidate is the one served, and that what cannot run here is excluded with a reason.
+
+OpenVINO never loads into the pytest process: with its CPU plugin loaded, torch later crashed (a segfault in the
+two-rank gloo test) and, in a benchmark, returned wrong bf16 results. The service never imports torch, so it never
+meets this; here every check that touches OpenVINO in-process (``check_*``) runs in a fresh interpreter.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,9 +26,9 @@ from msn_core.bundle import load_bundle_info
 from msn_core.hardware import cpu_info
 from msn_serve.embedding.choice import CHOICE_FILE, Candidate, Request, choose_engine, plan, probe_inputs
 from msn_serve.embedding.engine import Engine
-from msn_serve.embedding.openvino_engine import OpenVinoEngine, openvino_capabilities, openvino_status
+from msn_serve.embedding.openvino_engine import OpenVinoEngine, openvino_capabilities
 
-OPENVINO, _ = openvino_status()
+OPENVINO = importlib.util.find_spec("openvino") is not None  # found, not imported (see above)
 needs_openvino = pytest.mark.skipif(not OPENVINO, reason="openvino is not installed")
 AVX2 = "avx2 fma"  # an AVX2-only CPU: no bf16 units, no VNNI
 BF16_CPU = "avx2 fma avx512f avx512_bf16 avx512_vnni"
@@ -44,7 +50,34 @@ def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
+def isolated(check: str, *paths: Path) -> None:
+    """Run ``check(*paths)`` of this module in a fresh interpreter; its assertion errors fail the test."""
+    code = (f"import sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[2])]!r}; "
+            f"from pathlib import Path; import test_runtime_choice as t; "
+            f"t.{check}(*[Path(p) for p in sys.argv[1:]])")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, paths)], capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "MSN_CPU_FLAGS"}, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 def test_plan_excludes_what_this_cpu_or_bundle_cannot_run(bundle_dir: Path):
+    isolated("check_plan", bundle_dir)
+
+
+def test_openvino_runs_int8_only_from_a_qdq_graph(qdq_bundle: Path):
+    isolated("check_qdq_plan", qdq_bundle)
+
+
+@needs_openvino
+def test_openvino_engine_matches_onnxruntime_on_padded_masked_batches(bundle_dir: Path, qdq_bundle: Path):
+    isolated("check_openvino_engine", bundle_dir, qdq_bundle)
+
+
+def test_auto_serves_the_fastest_gated_candidate_and_caches_the_choice(qdq_bundle: Path, tmp_path: Path):
+    isolated("check_auto_choice", qdq_bundle, tmp_path)
+
+
+def check_plan(bundle_dir: Path) -> None:
     info = load_bundle_info(bundle_dir)
     candidates, excluded = plan(info, Request(), cpu_info(AVX2))
     names = {c.name for c in candidates}
@@ -63,7 +96,7 @@ def test_plan_excludes_what_this_cpu_or_bundle_cannot_run(bundle_dir: Path):
     assert candidates == [Candidate("onnxruntime", "fp32")]
 
 
-def test_openvino_runs_int8_only_from_a_qdq_graph(bundle_dir: Path, qdq_bundle: Path):
+def check_qdq_plan(qdq_bundle: Path) -> None:
     info = load_bundle_info(qdq_bundle)
     assert info.int8 is not None and info.int8.method == "qdq"
     assert info.int8.details["settings"]["format"] == "QDQ" and info.int8.guard["passed"]
@@ -72,8 +105,7 @@ def test_openvino_runs_int8_only_from_a_qdq_graph(bundle_dir: Path, qdq_bundle: 
     assert (Candidate("openvino", "int8") in candidates) == OPENVINO, excluded
 
 
-@needs_openvino
-def test_openvino_engine_matches_onnxruntime_on_padded_masked_batches(bundle_dir: Path, qdq_bundle: Path):
+def check_openvino_engine(bundle_dir: Path, qdq_bundle: Path) -> None:
     info = load_bundle_info(bundle_dir)
     reference, ov = Engine(info, intra_op_threads=1), OpenVinoEngine(info, precision="fp32", intra_op_threads=1)
     assert (ov.runtime, ov.precision, ov.device) == ("openvino", "fp32", "cpu")
@@ -89,7 +121,7 @@ def test_openvino_engine_matches_onnxruntime_on_padded_masked_batches(bundle_dir
     assert _cos(a, b).min() >= 0.99 and not np.allclose(a, b, atol=1e-6)  # int8 ran, and is close
 
 
-def test_auto_serves_the_fastest_gated_candidate_and_caches_the_choice(qdq_bundle: Path, tmp_path: Path):
+def check_auto_choice(qdq_bundle: Path, tmp_path: Path) -> None:
     info = load_bundle_info(qdq_bundle)
     engine, choice = choose_engine(info, Request(threads=1), cache_dir=tmp_path, seconds=0.1)
     assert choice.how == "measured" and choice.batch == 8 and choice.cpu["cpu_model"]
@@ -138,8 +170,6 @@ def _serve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_explicit_choices_that_cannot_run_here_are_start_up_errors(bundle_dir: Path, tmp_path: Path):
-    import os
-
     env = {**os.environ, "MSN_CPU_FLAGS": AVX2}
     r = _serve("--bundle", str(bundle_dir), "--data-dir", str(tmp_path / "a"), "--precision", "bf16", env=env)
     assert r.returncode == 2 and "cannot serve --precision bf16" in r.stderr
