@@ -94,6 +94,18 @@ class TorchReference:
         return out.float().numpy()
 
 
+def timed_rounds(runners: dict, pixels: np.ndarray, keep: np.ndarray, rounds: int, runs: int) -> dict:
+    """Seconds of each run of each runner, ``runs`` in a row per runner, the runners interleaved over ``rounds``."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, runner in runners.items():
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                runner.run(pixels, keep)
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def torch_reference(bundle: str, threads: int, batches: list[int], rounds: int, runs: int) -> dict:
     """Torch eager fp32 and bf16 timed in a fresh process of their own (run through ``spawn``): in the process that
     had quantized and compiled the other engines, bf16 autocast returned features unrelated to fp32's (cosine ~0)
@@ -107,13 +119,7 @@ def torch_reference(bundle: str, threads: int, batches: list[int], rounds: int, 
     for batch in batches:
         pixels, keep = probe_inputs(info, batch)[0]
         outputs = {name: ref.run(pixels, keep) for name, ref in refs.items()}  # warm-up, kept for the cosine
-        times: dict[str, list[float]] = {name: [] for name in refs}
-        for _ in range(rounds):
-            for name, ref in refs.items():
-                for _ in range(runs):
-                    t0 = time.perf_counter()
-                    ref.run(pixels, keep)
-                    times[name].append(time.perf_counter() - t0)
+        times = timed_rounds(refs, pixels, keep, rounds, runs)
         out[str(batch)] = {name: {"times": times[name], "output": outputs[name]} for name in refs}
     return out
 
@@ -165,16 +171,10 @@ def offline_section(bundle: Path, threads: int, batches: list[int], rounds: int,
         pixels, keep = probe_inputs(info, batch)[0]
         reference = table["onnxruntime/fp32"].run(pixels, keep).astype(np.float64)
         times: dict[str, list[float]] = {name: r["times"] for name, r in torch_runs[str(batch)].items()}
-        times.update({name: [] for name in table})
         cosine = {name: _min_cosine(reference, r["output"]) for name, r in torch_runs[str(batch)].items()}
         for name, engine in table.items():  # warm-up, and each output against ORT fp32
             cosine[name] = _min_cosine(reference, engine.run(pixels, keep))
-        for _ in range(rounds):
-            for name, engine in table.items():
-                for _ in range(runs):
-                    t0 = time.perf_counter()
-                    engine.run(pixels, keep)
-                    times[name].append(time.perf_counter() - t0)
+        times.update(timed_rounds(table, pixels, keep, rounds, runs))
         rows = {name: {"images_per_s": round(batch / float(np.median(t)), 2), "ms_p50": round(1e3 * pct(t, 50), 1),
                        "cosine_min_vs_ort_fp32": round(cosine[name], 5)} for name, t in times.items()}
         result["batches"][str(batch)] = rows
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             model = f"{a.bundle.name} ({info.architecture.name}, {info.image_size} px, feature {info.feature})"
         else:
             bundle = make_bundle(tmp / "bundle", quick=a.quick, int8_method=a.int8_method,
-                                 guard_images=32 if a.quick else a.guard_images)
+                                 guard_images=a.guard_images)
             model = "tiny (--quick)" if a.quick else "ViT-S/16 224px, random weights"
         result: dict = {"machine": machine(), "model": model, "note": a.note,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S")}

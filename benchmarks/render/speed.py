@@ -124,6 +124,12 @@ def profile_section(report: dict) -> list[str]:
     return lines + [""]
 
 
+def _faiss_section(report: dict, title: str, command: str) -> list[str]:
+    return [title, "", command, "",
+            f"Machine: {machine_line(report['machine'])}. {sentence(report.get('note', ''))}".rstrip(), "",
+            *faiss_lines(report["faiss_tuned"])]
+
+
 def sections(results: Path) -> list[str]:
     lines: list[str] = []
     two = results / "serve_bench-2core.json"
@@ -144,19 +150,16 @@ def sections(results: Path) -> list[str]:
     faiss = results / "faiss_1m-2core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())
-        lines += ["### FAISS at a million vectors, two cores (issue 22)", "",
-                  (f"`python benchmarks/faiss_bench.py --kinds {' '.join(report['kinds'])} --corpora "
-                   f"{' '.join(c['corpus'] for c in report['faiss_tuned'])}`, nothing else running."), "",
-                  f"Machine: {machine_line(report['machine'])}. {sentence(report.get('note', ''))}".rstrip(), ""]
-        lines += faiss_lines(report["faiss_tuned"])
+        lines += _faiss_section(report, "### FAISS at a million vectors, two cores (issue 22)",
+                                f"`python benchmarks/faiss_bench.py --kinds {' '.join(report['kinds'])} --corpora "
+                                f"{' '.join(c['corpus'] for c in report['faiss_tuned'])}`, nothing else running.")
     faiss = results / "faiss_1m-1core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())
-        lines += ["### FAISS at a million vectors, one core", "",
-                  (f"`taskset -c 1 python benchmarks/faiss_bench.py --bundle bundles/{Path(report['bundle']).name} "
-                   f"--kinds {' '.join(report['kinds'])}` (with `OMP_NUM_THREADS=1`)."), "",
-                  f"Machine: {machine_line(report['machine'])}. {sentence(report.get('note', ''))}".rstrip(), ""]
-        lines += faiss_lines(report["faiss_tuned"])
+        lines += _faiss_section(report, "### FAISS at a million vectors, one core",
+                                f"`taskset -c 1 python benchmarks/faiss_bench.py --bundle bundles/"
+                                f"{Path(report['bundle']).name} --kinds {' '.join(report['kinds'])}` "
+                                "(with `OMP_NUM_THREADS=1`).")
     prof = results / "embed_profile.json"
     if prof.exists():
         lines += ["### Where `/embed` spends its CPU", "",

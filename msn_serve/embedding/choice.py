@@ -61,7 +61,7 @@ class RuntimeChoice:
 
     runtime: str
     precision: str
-    how: str  # requested | measured | cached | cuda
+    how: str  # requested | measured | cached | cuda (or the CPU fallback of a cuda request)
     cpu: dict[str, Any]
     batch: int | None = None
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)  # measured: images_per_s, cosine_min
@@ -234,7 +234,9 @@ def _measure(info: BundleInfo, request: Request, cpu: CpuInfo, candidates: list[
             excluded[c.name] = f"failed to load: {e}"
             continue
         cosine = 1.0 if engine is reference_engine else min_cosine(engine, reference, probes)
-        entry: dict[str, Any] = {"cosine_min": round(cosine, 5), "passed": bool(cosine >= MIN_COSINE)}
+        finite = bool(np.isfinite(cosine))  # NaN (non-finite outputs) fails the gate and is reported as null
+        entry: dict[str, Any] = {"cosine_min": round(cosine, 5) if finite else None,
+                                 "passed": finite and cosine >= MIN_COSINE}
         if entry["passed"] and timed:
             entry["images_per_s"] = round(images_per_second(engine, *probes[0], seconds), 2)
         figures[c.name] = entry

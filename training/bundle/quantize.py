@@ -15,8 +15,9 @@ inference + graph optimisation), both quantizing the weight matrix multiplicatio
   --runtime openvino --precision int8``), so it is the int8 graph both serving runtimes can run.
 
 ``method="auto"`` (the default) quantizes with each method, runs the accuracy guard
-(:mod:`training.bundle.int8_guard`) on each, times each against the fp32 graph at batch 32 in ONNX Runtime, and
-keeps the fastest that passed; every candidate's figures go to ``msn.json`` either way. When none passes,
+(:mod:`training.bundle.int8_guard`) on each, times each against the fp32 graph at batch 32 in ONNX Runtime (the QDQ
+graph also on OpenVINO where it is installed, :mod:`training.bundle.openvino_timing`), and keeps the fastest that
+passed; every candidate's figures go to ``msn.json`` either way. When none passes,
 :class:`QuantizationRefused` says which check failed and nothing is written.
 """
 
@@ -41,6 +42,7 @@ from msn_core.bundle import (
 )
 from msn_core.masks import random_keep
 from training.bundle.int8_guard import GuardData, GuardThresholds, guard_data, run_guard
+from training.bundle.openvino_timing import openvino_images_per_s
 from training.evaluation.features import extract_features
 
 __all__ = ["METHODS", "QuantizationRefused", "QuantizeOptions", "add_arguments", "measure_speed", "options_from_args",
@@ -228,15 +230,22 @@ def quantize_bundle(bundle_dir: Path, options: QuantizeOptions, training: dict |
     speed = measure_speed({"fp32": info.onnx_path, **{m: c["path"] for m, c in candidates.items()}}, batch,
                           info.num_patches, threads=options.threads, seconds=options.speed_seconds)
     passed = [m for m, c in candidates.items() if c["guard"]["passed"]]
+    served = dict(speed)  # the fastest way each graph can be served: ORT, or OpenVINO for the QDQ graph
+    openvino = None
+    if "qdq" in passed:
+        openvino = openvino_images_per_s(candidates["qdq"]["path"], batch, info.num_patches,
+                                         threads=options.threads, seconds=options.speed_seconds)
+        served["qdq"] = max(speed["qdq"], openvino or 0.0)
     comparison = {m: {"images_per_s": speed[m], "speedup": round(speed[m] / speed["fp32"], 2),
                       "passed": c["guard"]["passed"], "failures": c["guard"]["failures"],
-                      "cosine_min": c["guard"]["cosine"]["min"], "seconds": c["seconds"]}
+                      "cosine_min": c["guard"]["cosine"]["min"], "seconds": c["seconds"],
+                      **({"openvino_images_per_s": openvino} if m == "qdq" and openvino else {})}
                   for m, c in candidates.items()}
     try:
         if not passed:
             lines = [f"{m}: " + "; ".join(c["guard"]["failures"]) for m, c in candidates.items()]
             raise QuantizationRefused("int8 graph refused, the accuracy guard failed (" + " | ".join(lines) + ")")
-        best = max(passed, key=lambda m: speed[m])
+        best = max(passed, key=lambda m: served[m])
         os.replace(candidates[best]["path"], bundle_dir / INT8_ONNX_FILE)
     finally:
         for c in candidates.values():
