@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ log = logging.getLogger("msn_serve.embedding.openvino")
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}  # int8: the graph's own Q/DQ, f32 around them
 
 
+@cache  # one answer per process: plan() and the cache key both ask, each Core() costs a plugin scan
 def openvino_status() -> tuple[bool, str]:
     """``(usable, why)``: OpenVINO importable with a CPU device, or the reason it is not."""
     try:
@@ -41,6 +43,7 @@ def openvino_status() -> tuple[bool, str]:
     return True, f"openvino {ov.get_version()}"
 
 
+@cache
 def openvino_capabilities() -> frozenset[str]:
     """The CPU plugin's optimisation capabilities (``FP32``, ``BF16``, ``INT8``, ...); empty without OpenVINO."""
     try:
