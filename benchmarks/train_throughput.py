@@ -104,12 +104,16 @@ def step_flops(config: str | None, overrides: list[str]) -> tuple[float, int]:
     return float(counter.get_total_flops()), run.global_batch
 
 
-def matmul_ceiling(device: str, precision: str, sizes: tuple[int, ...] = (512, 1024, 2048),
+def matmul_ceiling(device: str, precision: str, sizes: tuple[int, ...] | None = None,
                    seconds: float = 1.0) -> float:
-    """Best ``torch.mm`` rate in FLOP/s in ``precision`` over square sizes, with this process's threads."""
+    """Best ``torch.mm`` rate in FLOP/s in ``precision`` over square sizes, with this process's threads.
+
+    A GPU needs large products to leave the launch-bound regime (a 2048^3 product is ~20 us on a Hopper).
+    """
     import torch
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    sizes = sizes or ((2048, 4096, 8192) if device == "cuda" else (512, 1024, 2048))
     best = 0.0
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)

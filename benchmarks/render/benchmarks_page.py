@@ -151,6 +151,12 @@ def render(results: Path) -> str:
                    "beside torch eager (the reference ceiling), what `--precision auto` serves, and HTTP at 1, 16 "
                    "and 64 clients."), ""]
         lines += vits_section(report)
+    avx2 = results / "vits_bench-avx2.json"
+    if avx2.exists():
+        lines += ["### An AVX2-only CPU", "",
+                  ("`python benchmarks/vits_bench.py --out benchmarks/results/vits_bench-avx2.json`: the same run on a "
+                   "machine with neither bf16 nor int8 dot-product units (no AVX-512, VNNI or AMX)."), ""]
+        lines += vits_section(json.loads(avx2.read_text()))
     demo = results / "vits_bench-demo.json"
     if demo.exists():
         report = json.loads(demo.read_text())
