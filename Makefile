@@ -14,6 +14,7 @@ DEMO_RUN ?= runs/demo
 DEMO_BUNDLE ?= bundles/demo
 DEMO_DECODER ?= runs/demo-rcdm
 DEMO_DECODER_STEPS ?= 1500
+DEMO_DECODER_MINUTES ?= 10
 DEMO_PORT ?= 8000
 DEMO_APP_PORT ?= 7860
 
@@ -45,8 +46,9 @@ $(KUBECTL):
 	$(SUDO) apt-get install -y -qq kubernetes-client
 
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
-# accuracy beside the raw-pixel baseline, train a small
-# RCDM decoder on the bundle (also resumed), then run the visualizer app in the background and the service in front.
+# accuracy beside the raw-pixel baseline, start the service, train a small RCDM decoder on the bundle for at most
+# DEMO_DECODER_MINUTES (resumed: a second `make demo` trains it further, up to DEMO_DECODER_STEPS), then the
+# visualizer app.
 demo: setup data
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 training/pretrain.py \
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
@@ -64,18 +66,28 @@ demo: setup data
 		--splits 3 --no-progress
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --no-progress
 	$(PY) -m training.examples --out $(DEMO_RUN)/example.png --folder $(DEMO_RUN)/unlabelled --count 500
+	@# The service first (a working app as soon as the encoder is evaluated), then the decoder (capped at
+	@# DEMO_DECODER_MINUTES; a second `make demo` trains it further), then the visualizer. Ctrl-C stops both servers.
+	@$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 \
+		--port $(DEMO_PORT) > $(DEMO_RUN)/serve.log 2>&1 & serve=$$!; \
+	trap 'kill $$serve $$app 2>/dev/null' EXIT; \
+	ready=0; for i in $$(seq 300); do kill -0 $$serve 2>/dev/null || break; \
+		$(PY) -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$(DEMO_PORT)/readyz', timeout=2)" \
+		2>/dev/null && { ready=1; break; }; sleep 1; done; \
+	[ $$ready = 1 ] || { echo "msn-serve did not become ready:"; tail -20 $(DEMO_RUN)/serve.log; exit 1; }; \
+	echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; log $(DEMO_RUN)/serve.log). Try:"; \
+	echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"; \
+	echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"; \
 	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_32.yaml \
-		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS)
-	@echo
-	@echo "Visualizer (mask an image, sample from the decoder): http://127.0.0.1:$(DEMO_APP_PORT)"
-	@echo "  its Labelling tab: folder $(DEMO_RUN)/unlabelled, classes e.g. top, trouser, dress, coat, shoe, bag"
-	@echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; Ctrl-C stops both). Try:"
-	@echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"
-	@echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"
+		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS) \
+		--set optim.max_minutes=$(DEMO_DECODER_MINUTES) || exit 1; \
+	echo; \
+	echo "Visualizer (mask an image, sample from the decoder): http://127.0.0.1:$(DEMO_APP_PORT)"; \
+	echo "  its Labelling tab: folder $(DEMO_RUN)/unlabelled, classes e.g. top, trouser, dress, coat, shoe, bag"; \
+	echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT); Ctrl-C stops both."; \
 	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) \
 		--serve-url http://127.0.0.1:$(DEMO_PORT) & app=$$!; \
-		trap 'kill $$app 2>/dev/null' EXIT; \
-		$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 --port $(DEMO_PORT)
+	wait $$app
 
 test: setup data
 	$(PY) -m pytest -q

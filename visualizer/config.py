@@ -69,6 +69,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 100
     max_steps: int = 3000
+    # Wall-clock cap of one invocation, in minutes (None: none). The learning rate is constant after warm-up, so
+    # stopping early leaves a usable (less trained) decoder, and --resume continues towards max_steps.
+    max_minutes: float | None = None
     ema_decay: float = 0.999
     clip_grad: float = 1.0
 
@@ -140,6 +143,8 @@ def validate(cfg: RCDMConfig) -> None:
         raise ConfigError("data.root is required when data.source=image_folder (--data-root DIR)")
     if cfg.run.precision not in ("auto", "fp32", "bf16") or cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("run.precision must be auto|fp32|bf16 and run.device auto|cpu|cuda")
+    if cfg.optim.max_minutes is not None and cfg.optim.max_minutes <= 0:
+        raise ConfigError(f"optim.max_minutes={cfg.optim.max_minutes}: expected a positive number of minutes or null")
     if not 0.0 <= cfg.run.grid_mask_ratio < 1.0:
         raise ConfigError("run.grid_mask_ratio must be in [0, 1)")
 

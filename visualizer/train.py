@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -91,9 +92,22 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
     save_grid(rows, path, cell=max(64, cfg.model.image_size))
 
 
+def out_of_time(deadline: float, device: torch.device, world_size: int) -> bool:
+    """Whether ``deadline`` (``time.monotonic``) has passed, agreed by every rank so that all stop at one step."""
+    if deadline == math.inf:
+        return False
+    late = time.monotonic() >= deadline
+    if world_size > 1:
+        flag = torch.tensor([float(late)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        late = bool(flag.item())
+    return late
+
+
 def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume: bool = False,
           info: DistInfo | None = None) -> dict:
-    """Run (or continue) training until ``optim.max_steps``; returns the last logged metrics."""
+    """Run (or continue) training until ``optim.max_steps``, or until ``optim.max_minutes`` of this invocation have
+    passed (then the sample grid and checkpoint are written at the step reached); returns the last logged metrics."""
     info = info or init_distributed(cfg.run.device)
     device, is_main = info.device, info.rank == 0
     output_dir = Path(output_dir)
@@ -154,6 +168,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
 
     record: dict = {"step": progress.step}  # returned as is when a resumed run has nothing left to do
     batches = batches_from(loader, sampler, progress, cfg.data.batch_size)
+    deadline = time.monotonic() + 60 * cfg.optim.max_minutes if cfg.optim.max_minutes else math.inf
     while progress.step < total:
         images, _labels, _skipped = next(batches)
         if cfg.data.hflip:
@@ -181,6 +196,11 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         progress.advance(steps_per_epoch)
         step = progress.step
         bar.update(1)
+        if step < total and out_of_time(deadline, device, info.world_size):
+            total = step  # the end of this invocation: log, sample and save as at max_steps
+            if is_main:
+                bar.write(f"optim.max_minutes={cfg.optim.max_minutes:g} reached at step {step} of "
+                          f"{cfg.optim.max_steps}; --resume continues")
         if is_main and (step % cfg.run.log_every_steps == 0 or step == total):
             record = {"step": step, "epoch": progress.epoch, "loss": loss.item(), **stats, "lr": lr,
                       "grad_norm": float(grad_norm)}

@@ -13,6 +13,7 @@ from PIL import Image
 
 from tests.visualizer.conftest import TINY_OVERRIDES, tiny_config
 from visualizer.cli import main
+from visualizer.config import ConfigError
 from visualizer.pipeline import RCDMPipeline, load_run
 from visualizer.train import train
 
@@ -44,6 +45,16 @@ def test_resume_is_exact(tiny_bundle: Path, tmp_path: Path) -> None:
         for name, tensor in a[key].items():
             assert torch.equal(tensor, b[key][name]), f"{key}.{name} differs after resume"
     assert a["optimizer"]["state"][0]["exp_avg"].equal(b["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_max_minutes_stops_early_with_a_checkpoint_and_resume_continues(tiny_bundle: Path, tmp_path: Path) -> None:
+    capped = train(tiny_config("optim.max_steps=4", "optim.max_minutes=1e-9"), tiny_bundle, tmp_path)
+    assert capped["step"] == 1  # the cap is checked after each step: one step, then log, sample and save
+    assert load_run(tmp_path)["step"] == 1 and (tmp_path / "samples" / "step_000001.png").exists()
+    resumed = train(tiny_config("optim.max_steps=4"), tiny_bundle, tmp_path, resume=True)
+    assert resumed["step"] == 4 and load_run(tmp_path)["step"] == 4
+    with pytest.raises(ConfigError, match="optim.max_minutes=0"):
+        tiny_config("optim.max_minutes=0")
 
 
 def test_cli_sample_writes_a_grid(tiny_bundle: Path, tiny_run: Path, sample_png: Path, tmp_path: Path,
