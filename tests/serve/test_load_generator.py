@@ -3,13 +3,9 @@ request is answered and counted once, and the timed part starts only after every
 across client processes). Timings are not asserted: they belong to the benchmarks."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from serve_helpers import encode, random_image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks import http_load  # noqa: E402
+from benchmarks import http_load
 
 
 def test_load_generator_counts_each_timed_request_once(server):
