@@ -67,10 +67,11 @@ demo: setup data
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --no-progress
 	$(PY) -m training.examples --out $(DEMO_RUN)/example.png --folder $(DEMO_RUN)/unlabelled --count 500
 	@# The service first (a working app as soon as the encoder is evaluated), then the decoder (capped at
-	@# DEMO_DECODER_MINUTES; a second `make demo` trains it further), then the visualizer. Ctrl-C stops both servers.
+	@# DEMO_DECODER_MINUTES; a second `make demo` trains it further), then the visualizer in the foreground: Ctrl-C
+	@# stops it, and the EXIT trap stops the service (a background job ignores SIGINT in a non-interactive shell).
 	@$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 \
 		--port $(DEMO_PORT) > $(DEMO_RUN)/serve.log 2>&1 & serve=$$!; \
-	trap 'kill $$serve $$app 2>/dev/null' EXIT; \
+	trap 'kill $$serve 2>/dev/null' EXIT; \
 	ready=0; for i in $$(seq 300); do kill -0 $$serve 2>/dev/null || break; \
 		$(PY) -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$(DEMO_PORT)/readyz', timeout=2)" \
 		2>/dev/null && { ready=1; break; }; sleep 1; done; \
@@ -86,8 +87,7 @@ demo: setup data
 	echo "  its Labelling tab: folder $(DEMO_RUN)/unlabelled, classes e.g. top, trouser, dress, coat, shoe, bag"; \
 	echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT); Ctrl-C stops both."; \
 	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) \
-		--serve-url http://127.0.0.1:$(DEMO_PORT) & app=$$!; \
-	wait $$app
+		--serve-url http://127.0.0.1:$(DEMO_PORT)
 
 test: setup data
 	$(PY) -m pytest -q
