@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -79,7 +80,11 @@ async def _run(port: int, requests: list[bytes], concurrency: int, ids: list[int
 
 
 def _process(args: tuple) -> dict:
-    return asyncio.run(_run(*args))
+    try:
+        return asyncio.run(_run(*args))
+    except BaseException:
+        args[-1].abort()  # break the gate: the other processes and the caller stop waiting and see this error
+        raise
 
 
 def cpu_seconds(pid: int) -> float:
@@ -99,7 +104,10 @@ def run(port: int, requests: list[bytes], concurrency: int, total: int, procs: i
         jobs = [(port, requests, concurrency // procs + (p < concurrency % procs), list(range(p, total, procs)),
                  gate) for p in range(procs)]
         futures = [pool.submit(_process, j) for j in jobs]
-        gate.wait(GATE_TIMEOUT_S)
+        try:
+            gate.wait(GATE_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            pass  # a client process failed: f.result() below raises its error
         server_cpu0 = cpu_seconds(server_pid) if server_pid else None
         results = [f.result() for f in futures]
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
