@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from benchmarks.common import DOCS, RESULTS
 
-# --- benchmarks/paper_tables.py -> docs/results/<profile>.json
+# --- benchmarks/evaluation/paper_tables.py -> docs/results/<profile>.json
 ABLATION_RATIOS = (0.15, 0.3, 0.5, 0.7)
 ROBUSTNESS_RATIOS = (0.15, 0.3, 0.5, 0.7, 0.9)
 KNN_TRAIN = 10_000  # first 10k training images: a kNN over all 60k costs minutes per model on 2 cores
@@ -24,7 +24,7 @@ def tsne_name(profile: str) -> str:
     return f"tsne_fmnist_{profile}.png"
 
 
-# --- benchmarks/budget_curve.py -> docs/budget_curve.json (plotted to docs/budget_curve.png by the renderer)
+# --- benchmarks/training/budget_curve.py -> docs/budget_curve.json (plotted to docs/budget_curve.png by the renderer)
 BUDGET_JSON, BUDGET_PNG = "budget_curve.json", "budget_curve.png"
 
 
@@ -33,12 +33,12 @@ def budget_bundle(minutes: float) -> str:
     return f"budget-{minutes:g}min"
 
 
-# --- benchmarks/rcdm_eval.py -> docs/rcdm_eval.json (+ the sample grid it draws)
+# --- benchmarks/evaluation/rcdm_eval.py -> docs/rcdm_eval.json (+ the sample grid it draws)
 RCDM_JSON = "rcdm_eval.json"
 
-# --- benchmarks/label_efficiency.py -> benchmarks/results/label_efficiency.json (plotted by the renderer)
+# --- benchmarks/evaluation/label_efficiency.py -> benchmarks/results/label_efficiency.json (plotted by the renderer)
 LABEL_JSON = RESULTS / "label_efficiency.json"
 LABEL_PNG = DOCS / "label_efficiency.png"
 
-# --- benchmarks/recipe_search.py -> benchmarks/results/recipe_search.json
+# --- benchmarks/training/recipe_search.py -> benchmarks/results/recipe_search.json
 RECIPE_JSON = RESULTS / "recipe_search.json"

@@ -1,7 +1,8 @@
 """Service settings: one pydantic-settings model fed by ``MSN_SERVE_*`` environment variables and CLI flags.
 
 Keeping every knob in one typed object means the start-up banner, the CLI and the tests all agree on names and
-defaults, and the API key can never leak into logs (it is a ``SecretStr`` and is redacted when printed).
+defaults, and the API key can never leak into logs (it is a ``SecretStr`` and is redacted when printed). The checks
+the services share against these limits live here too (:func:`check_results`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from msn_core.lowshot import DEFAULT_LAMBD
+from msn_serve.errors import too_large
 
 
 class Settings(BaseSettings):
@@ -136,3 +138,12 @@ class Settings(BaseSettings):
             data["api_key"] = "***redacted***"
         data["auth"] = "bearer" if (self.api_key_file or self.api_key) else "off"
         return json.dumps(data, sort_keys=True)
+
+
+def check_results(queries: int, k: int, limit: int) -> None:
+    """413 when ``queries`` x ``k`` results (k already capped at what exists) exceed ``limit``
+    (:attr:`Settings.max_results_per_request`): a client controls ``queries x k``, the operator caps it, and the
+    services check it before any work."""
+    if queries * k > limit:
+        raise too_large(f"{queries} queries x k={k} = {queries * k} results exceed the limit of {limit} "
+                        "(max_results_per_request); send fewer queries or a smaller k")

@@ -11,10 +11,13 @@ Protocol clients, e.g. ``tritonclient``, crash on anything else) in one place.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import math
 import re
 import reprlib
+from collections.abc import Iterator
 from typing import Any
 
 # Used with fullmatch: a ``$`` anchor would also accept a trailing newline ("abc\n" became a directory).
@@ -89,3 +92,17 @@ def check_name(name: str, what: str = "name") -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise unprocessable(f"invalid {what} {brief(name)}: must match {NAME_RE.pattern} (the whole name)")
     return name
+
+
+@contextlib.contextmanager
+def persisting(what: str) -> Iterator[None]:
+    """Turn a failed disk operation (ENOSPC, EIO, ...) into a 507/503 for the client, logged once here.
+
+    The code inside must leave memory and disk as they were when it raises (or in a state a restart reads as
+    either the old or the new one), so the client can simply retry.
+    """
+    try:
+        yield
+    except OSError as e:
+        logging.getLogger("msn_serve").error("%s: write failed (%s); rolled back", what, e)
+        raise storage_error(e, what) from e

@@ -1,14 +1,45 @@
-"""Compact, strict JSON text: what stored metadata, index files and response bodies are written as.
+"""Strict JSON text, in and out: the one home of the service's JSON handling below the web framework.
 
-Kept outside :mod:`msn_serve.http` because the index store writes metadata with it too; parsing *client* JSON into
-4xx errors stays in :mod:`msn_serve.http.jsonio`.
+Python's ``json`` module accepts ``NaN``/``Infinity``, raises ``RecursionError`` on deep nesting and ``ValueError`` on
+integers longer than 4300 digits, and writes bare ``NaN`` that strict parsers reject. So:
+
+* :func:`loads` parses every *client* text (request body, multipart field, OIP header, ``mask`` parameter); any
+  failure becomes a 4xx naming the field and the reason;
+* :func:`dumps` writes compact, strict, ASCII-only text: stored metadata, index files and response bodies;
+* :class:`BoundedJson` writes large responses (search results) piece by piece and stops at a byte limit, so the size
+  of a response is checked before it is held in memory;
+* :func:`depth` / :data:`MAX_DEPTH` bound the nesting of stored values.
+
+It lives outside :mod:`msn_serve.http` because the index store writes metadata with it too; the HTTP response class
+that renders with ``allow_nan=False`` is :class:`msn_serve.http.responses.StrictJSONResponse`.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from msn_serve.errors import ApiError, too_large
+
 MAX_DEPTH = 64  # nesting accepted in stored values (metadata); far below the parser's recursion limit
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def loads(data: bytes | str, what: str, status: int = 422) -> Any:
+    """Parse client JSON; any failure is an :class:`ApiError` with ``status`` naming ``what`` and the reason."""
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        reason = f"{e.msg} at position {e.pos}"
+    except UnicodeDecodeError:
+        reason = "not UTF-8 text"
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as e:  # 4300+ digit integers, NaN/Infinity
+        reason = str(e).split(";")[0]
+    raise ApiError(status, f"{what}: not valid JSON ({reason})") from None
 
 
 def dumps(value: Any) -> str:
@@ -28,3 +59,29 @@ def depth(value: Any) -> int:
             deepest = max(deepest, d + 1)
             stack.extend((x, d + 1) for x in v if isinstance(x, (list, dict)))
     return deepest
+
+
+class BoundedJson:
+    """Accumulates a JSON document as text pieces and refuses (413) once it would pass ``limit`` bytes.
+
+    ``setting`` names the limit in the error, so a client knows which knob the operator can turn.
+    """
+
+    def __init__(self, limit: int, setting: str = "max_response_mb"):
+        self.limit, self.setting = limit, setting
+        self.parts: list[str] = []
+        self.size = 0
+
+    def write(self, text: str) -> None:
+        self.size += len(text)  # characters; exact bytes for the ASCII text dumps() writes
+        if self.size > self.limit:
+            raise too_large(f"the response would exceed {self.limit} bytes ({self.setting}); ask for fewer "
+                            "queries, a smaller k, or store less metadata per id")
+        self.parts.append(text)
+
+    def body(self) -> bytes:
+        data = "".join(self.parts).encode()
+        self.parts = []
+        if len(data) > self.limit:
+            raise too_large(f"the response would exceed {self.limit} bytes ({self.setting})")
+        return data

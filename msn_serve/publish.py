@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from msn_core.durable import atomic_write, fsync_path
+from msn_core.durable import atomic_write, fsync_path, remove_durably
 from msn_serve.classifiers.fewshot import ClassifierStore
-from msn_serve.indexes.storage import remove_durably
 from msn_serve.indexes.store import IndexStore
 
 log = logging.getLogger("msn_serve.publish")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from msn_core.bundle import ONNX_FILE, BundleInfo, load_bundle_info
+from msn_core.durable import clean_temp_files, lock_data_dir
 from msn_core.hardware import cpu_info
 from msn_serve.classifiers.fewshot import ClassifierStore
 from msn_serve.classifiers.service import ClassifierService
@@ -25,7 +26,6 @@ from msn_serve.embedding.engine import Engine, InferenceEngine
 from msn_serve.embedding.service import EmbeddingService
 from msn_serve.errors import read_only_replica
 from msn_serve.indexes.service import IndexService
-from msn_serve.indexes.storage import clean_temp_files, lock_data_dir
 from msn_serve.indexes.store import IndexStore
 from msn_serve.metrics import Metrics
 from msn_serve.snapshots import Snapshots
@@ -54,7 +54,7 @@ class Runtime:
             cache_dir = Path(tempfile.gettempdir()) / "msn-serve-cache"
         else:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
-            self._dir_lock = lock_data_dir(settings.data_dir)
+            self._dir_lock = lock_data_dir(settings.data_dir, owner="msn-serve")
             cache_dir = settings.data_dir / "cache"
         engine, self.runtime_choice = self._engine(cache_dir)
         self.metrics.model_info.labels(self.info.model_id, engine.precision, engine.device, engine.runtime).set(1)

@@ -3,32 +3,50 @@
 Between packages: the core imports neither torch nor any of the packages, and only numpy besides the standard
 library (cyanure inside the fit that needs it); ``msn_serve`` imports neither torch, ``training`` nor ``visualizer``
 (its slim image has no torch); ``training`` imports neither ``msn_serve`` nor ``visualizer``; ``visualizer`` reaches
-``training`` only through ``training.api``. Inside packages: no import cycle anywhere, and the sub-packages of
-``training`` and ``msn_serve`` point one way (the rules below).
+``training`` only through ``training.api``. Inside packages: no import cycle anywhere, the sub-packages of
+``training`` point one way, and the units of ``msn_serve`` keep their rows (the rules below). docs/architecture.md
+draws the same graph (``tests/import_graph.py`` builds it for both), and a test here fails when its picture is stale.
 
 Every import statement counts, also the ones inside functions or under ``TYPE_CHECKING``, so a lazy import cannot
-sneak past. Edges are between modules: a package stands for its ``__init__``, relative imports are resolved, and
-``from pkg import name`` points at ``pkg.name`` when that is a submodule, else at ``pkg``. A subprocess then imports
-the core with the forbidden packages blocked, which also catches imports made through a dependency.
+sneak past (the graph's rules are in ``tests/import_graph.py``). A subprocess then imports the core with the
+forbidden packages blocked, which also catches imports made through a dependency.
 """
 from __future__ import annotations
 
 import ast
-import itertools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("msn_core", "training", "msn_serve", "visualizer", "benchmarks")
+from tests.import_graph import (
+    BEGIN,
+    COMMAND,
+    DOC,
+    END,
+    REPO,
+    Graph,
+    cycles,
+    describe,
+    import_graph,
+    inside,
+    picture,
+    rows,
+    unit_graph,
+    violations,
+    with_picture,
+)
+
 FORBIDDEN = {
     "msn_core": {"torch", "torchvision", "training", "msn_serve", "visualizer"},
     "msn_serve": {"torch", "torchvision", "training", "visualizer"},
     "training": {"msn_serve", "visualizer"},
 }
-CORE_THIRD_PARTY = {"numpy", "cyanure"}
+# numpy at the top of a module; the others only inside the functions that need them (the low-shot fit, running a
+# graph, an image), so ``import msn_core`` stays numpy + the standard library.
+CORE_THIRD_PARTY = {"numpy", "cyanure", "onnxruntime", "openvino", "PIL"}
+CORE_TOP_LEVEL = {"numpy"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,6 +83,43 @@ def test_the_core_needs_only_numpy_and_the_standard_library():
     assert not extra, {name: sorted(roots[name]) for name in extra}
 
 
+def module_level_imports(tree: ast.Module):
+    """``(line, name)`` of every absolute import that runs when the module is imported: not inside a function, nor
+    under ``if TYPE_CHECKING``."""
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def test_the_core_imports_its_optional_libraries_only_inside_functions():
+    """A module-level import of anything but numpy would make ``import msn_core`` need it."""
+    allowed = set(sys.stdlib_module_names) | CORE_TOP_LEVEL | {"msn_core", "__future__"}
+    bad = [
+        f"{path.relative_to(REPO)}:{line} {name}"
+        for path in sorted((REPO / "msn_core").rglob("*.py"))
+        for line, name in module_level_imports(ast.parse(path.read_text(), str(path)))
+        if name.split(".")[0] not in allowed
+    ]
+    assert not bad, bad
+
+
+def test_module_level_imports_skip_functions_and_type_checking():
+    tree = ast.parse("import numpy\nif TYPE_CHECKING:\n    import PIL\nelse:\n    import json\n"
+                     "def f():\n    import openvino\nclass C:\n    import zlib\n    def g(self):\n        import onnx\n"
+                     "try:\n    import cyanure\nexcept ImportError:\n    pass\n")
+    assert sorted(name for _, name in module_level_imports(tree)) == ["cyanure", "json", "numpy", "zlib"]
+
+
 def test_the_core_imports_and_works_with_torch_and_the_packages_blocked():
     code = """
 import importlib, pkgutil, sys
@@ -88,128 +143,6 @@ print(resolve_mask({"ratio": 0.7, "seed": 1}, 7).tolist())
 # ---------------------------------------------------------------------------------------------------------------
 # The module graph
 # ---------------------------------------------------------------------------------------------------------------
-
-Graph = dict[str, dict[str, list[str]]]  # {importer: {imported: ["file:line", ...]}}
-
-
-def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
-    """``{dotted module name: file}``; a package's name maps to its ``__init__.py``."""
-    modules = {}
-    for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            modules[".".join(parts)] = path
-    return modules
-
-
-def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> Graph:
-    modules = module_files(root, packages)
-
-    def known(name: str) -> str | None:
-        """The module an import of ``name`` loads last: itself, or its nearest package that is ours."""
-        while name not in modules and "." in name:
-            name = name.rsplit(".", 1)[0]
-        return name if name in modules else None
-
-    def targets(name: str, path: Path):
-        """(imported module, line) for every import statement of one module."""
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    yield known(alias.name), node.lineno
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                    parts = parts[: len(parts) - (node.level - 1)]
-                    base = ".".join(parts + ([node.module] if node.module else []))
-                else:
-                    base = node.module or ""
-                for alias in node.names:
-                    submodule = f"{base}.{alias.name}"
-                    yield (submodule if submodule in modules else known(base)), node.lineno
-
-    graph: Graph = {name: {} for name in modules}
-    for name, path in modules.items():
-        for target, line in targets(name, path):
-            where = f"{path.relative_to(root)}:{line}"
-            if target is not None and target != name and where not in graph[name].get(target, []):
-                graph[name].setdefault(target, []).append(where)
-    return graph
-
-
-def cycles(graph: Graph) -> list[list[str]]:
-    """One cycle (``[a, b, ..., a]``) through each strongly connected component that has one (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
-
-    def visit(node: str) -> None:  # recursion depth is bounded by the module count (hundreds)
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for succ in graph[node]:
-            if succ not in index:
-                visit(succ)
-                low[node] = min(low[node], low[succ])
-            elif succ in on_stack:
-                low[node] = min(low[node], index[succ])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                components.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-
-    found = []
-    for component in components:  # shortest way from the component's first module back to itself
-        members, start = set(component), component[0]
-        previous: dict[str, str] = {}
-        frontier = [start]
-        while frontier and start not in previous:
-            following = []
-            for node in frontier:
-                for succ in sorted(graph[node]):
-                    if succ in members and succ not in previous:
-                        previous[succ] = node
-                        following.append(succ)
-            frontier = following
-        path, node = [start], previous[start]
-        while node != start:
-            path.append(node)
-            node = previous[node]
-        found.append([start, *reversed(path[1:]), start])
-    return found
-
-
-def describe(graph: Graph, cycle: list[str]) -> str:
-    return "\n".join(f"  {a} -> {b}  ({', '.join(graph[a][b])})" for a, b in itertools.pairwise(cycle))
-
-
-def inside(module: str, prefix: str) -> bool:
-    return module == prefix or module.startswith(prefix + ".")
-
-
-def violations(graph: Graph, importers, imported) -> list[str]:
-    """Edges whose importer satisfies ``importers`` and whose target satisfies ``imported`` (both predicates)."""
-    return [
-        f"{a} -> {b}  ({', '.join(where)})"
-        for a, targets in sorted(graph.items())
-        if importers(a)
-        for b, where in sorted(targets.items())
-        if imported(b)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +194,51 @@ def test_serving_rooms_import_no_service_root_and_no_http(graph, room):
         lambda b: inside(b, "msn_serve.service") or inside(b, "msn_serve.http"),
     )
     assert not bad, f"{room} must import neither msn_serve.service nor msn_serve.http:\n" + "\n".join(bad)
+
+
+# msn_serve's units, top row first: a unit imports only units on rows below its own; the shared root modules of the
+# bottom row may import each other (the cycle test keeps that one way). A unit missing here fails the test below: a
+# new module or sub-package of msn_serve takes its place here and in docs/architecture.md's prose.
+MSN_SERVE_ROWS = [
+    ("__main__",),
+    ("cli",),
+    ("http",),  # validates requests, calls the services with plain arguments, renders the results
+    ("runtime",),  # builds the services from the settings and the bundle, starts and stops them
+    ("snapshots",),  # read-only replicas reload what the one writer published
+    ("publish",),  # the writer publishes classifiers and indexes
+    ("classifiers",),  # few-shot classifiers and the label loop, over the indexes' vectors
+    ("indexes",),  # named FAISS indexes, filled from embeddings
+    ("embedding",),  # images in, embeddings out
+    ("__init__", "config", "errors", "jsontext", "metrics", "work"),
+]
+
+
+def row_violations(units: Graph, package: str, declared: list[tuple[str, ...]]) -> tuple[list[str], list[str]]:
+    """(units on no declared row, edges that do not point to a lower row) of one package's unit graph."""
+    row = {package if name == "__init__" else f"{package}.{name}": i for i, names in enumerate(declared)
+           for name in names}
+    unplaced = sorted(set(units) - set(row))
+    bottom = len(declared) - 1
+    upward = [
+        f"{a} -> {b}  ({', '.join(where)})"
+        for a, targets in sorted(units.items())
+        for b, where in sorted(targets.items())
+        if a in row and b in row and not (row[b] > row[a] or row[a] == row[b] == bottom)
+    ]
+    return unplaced, upward
+
+
+def test_msn_serve_units_keep_their_rows(graph):
+    unplaced, upward = row_violations(unit_graph(graph, "msn_serve"), "msn_serve", MSN_SERVE_ROWS)
+    assert not unplaced, f"put {unplaced} on a row of MSN_SERVE_ROWS (tests/test_import_rules.py)"
+    order = " > ".join("/".join(names) for names in MSN_SERVE_ROWS)
+    assert not upward, f"msn_serve imports point down its rows ({order}):\n" + "\n".join(upward)
+
+
+def test_the_architecture_page_draws_this_graph(graph):
+    page = DOC.read_text()
+    assert with_picture(page, picture(graph)) == page, (
+        f"{DOC.relative_to(REPO)}: the picture is not the code's import graph; redraw it with `{COMMAND}`")
 
 
 def test_visualizer_reaches_training_only_through_its_api(graph):
@@ -357,3 +335,65 @@ def test_direction_rules_catch_what_they_should(tmp_path):
         graph, lambda a: inside(a, "msn_serve.indexes"), lambda b: inside(b, "msn_serve.service")
     ) == ["msn_serve.indexes.store -> msn_serve.service  (msn_serve/indexes/store.py:1)"]
     assert cycles(graph) == [["training.model.vit", "training.run.step", "training.model.vit"]]
+
+
+def test_rows_rule_catches_an_upward_edge_and_a_unit_without_a_row(tmp_path):
+    _write(tmp_path, {
+        "srv/__init__.py": "",
+        "srv/errors.py": "",
+        "srv/config.py": "from srv.errors import E\n",
+        "srv/low/__init__.py": "",
+        "srv/low/a.py": "from srv import config\n",
+        "srv/high/__init__.py": "",
+        "srv/high/b.py": "from srv.low import a\n",
+        "srv/new.py": "",
+    })
+    declared = [("high",), ("low",), ("__init__", "config", "errors")]
+    units = unit_graph(import_graph(tmp_path, ("srv",)), "srv")
+    assert row_violations(units, "srv", declared) == (["srv.new"], [])
+    _write(tmp_path, {"srv/low/a.py": "def f():\n    from srv.high import b\n"})
+    units = unit_graph(import_graph(tmp_path, ("srv",)), "srv")
+    assert row_violations(units, "srv", declared)[1] == ["srv.low -> srv.high  (srv/low/a.py:2)"]
+    assert row_violations(units, "srv", [("low",), ("high",), ("__init__", "config", "errors")])[1] == [
+        "srv.high -> srv.low  (srv/high/b.py:1)"]
+
+
+def test_rows_put_each_node_above_what_it_imports_and_cycles_on_one_row():
+    assert rows({"a": ["b"], "b": ["c"], "c": [], "d": ["c"]}) == [[["c"]], [["b"], ["d"]], [["a"]]]
+    assert rows({"top": ["x"], "x": ["y"], "y": ["x", "z"], "z": []}) == [[["z"]], [["x", "y"]], [["top"]]]
+
+
+def test_picture_draws_every_module_in_rows_and_replaces_only_the_marked_block(tmp_path):
+    _write(tmp_path, {
+        "core/__init__.py": "",
+        "core/masks.py": "",
+        "app/__init__.py": "",
+        "app/cli.py": "from app.http import routes\n",
+        "app/http/__init__.py": "",
+        "app/http/routes.py": "from app.engine import run\nfrom core import masks\n",
+        "app/http/schemas.py": "",
+        "app/engine/__init__.py": "",
+        "app/engine/run.py": "from app import errors\nfrom core.masks import keep\n",
+        "app/errors.py": "",
+    })
+    drawing = picture(import_graph(tmp_path, ("core", "app")), ("core", "app"))
+    assert drawing == """\
+Packages (a row imports only rows below it; → the packages it imports, and which of their units):
+  1  app/  → core (masks)
+  0  core/
+
+app/ (→ the units of app it imports):
+  3  cli.py   → http/
+  2  http/    routes.py  schemas.py
+              → engine/
+  1  engine/  run.py
+              → errors.py
+  0  __init__.py  errors.py
+
+core/ (→ the units of core it imports):
+  0  __init__.py  masks.py
+"""
+    page = f"# Title\n\nprose\n\nbefore\n{BEGIN}\nold\n{END}\nafter\n"
+    assert with_picture(page, drawing) == f"# Title\n\nprose\n\nbefore\n{BEGIN}\n```text\n{drawing}```\n{END}\nafter\n"
+    with pytest.raises(ValueError, match="markers"):
+        with_picture("no markers\n", drawing)

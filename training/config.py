@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from msn_core.features import FeatureError, parse_feature
+from training.sources import FILE_SOURCES, SOURCES
 
 
 @dataclass
@@ -40,15 +41,18 @@ class ModelConfig:
     head_out_dim: int = 256
     head_use_bn: bool = True
     num_prototypes: int = 1024
-    # the frozen feature msn-export puts in the bundle (msn_core.features; benchmarks/feature_choice.py picks it)
+    # the frozen feature msn-export puts in the bundle (msn_core.features; benchmarks/evaluation/feature_choice.py picks it)
     feature: str = "cls_pre_norm"
 
 
 @dataclass
 class DataConfig:
-    source: str = "image_folder"  # image_folder | fashion-mnist | synthetic
-    root: str | None = None
-    subset_file: str | None = None
+    # auto | folder | image_folder | file_list | fashion-mnist | synthetic (training/sources.py). auto: a file is a
+    # file list; a folder is an image folder when every image sits in root/<class>/, else an unlabelled folder
+    source: str = "auto"
+    root: str | None = None  # the folder of images, or the file list
+    image_root: str | None = None  # where a file list's relative paths point; None: the list's own folder
+    subset_file: str | None = None  # restrict the source to these relative paths or file names (ImageNet subsets)
     load_size: int | None = 256  # workers decode + resize to this; random crops are taken on the device. None: image_size
     batch_size: int = 64  # per process (the official `criterion.batch_size`)
     num_workers: int = 8
@@ -129,6 +133,17 @@ class RunConfig:
     log_every_steps: int = 10
     tensorboard: bool = False
     progress_bar: bool = True
+    # watching (training/run/probe.py, collapse.py): a kNN-20 probe of the target encoder's served feature every
+    # N steps and at the end, when labels exist (0: off); eval_data: labelled images for it (a labelled folder or
+    # file list, or fashion-mnist; default: the training images if labelled). A confirmed collapse is always
+    # reported; stop_on_collapse ends the run there (checkpoint kept, exit status 1).
+    probe_every_steps: int = 500
+    probe_images: int = 3000
+    eval_data: str | None = None
+    stop_on_collapse: bool = False
+    # warm start: trained weights to begin from (official .pth.tar, checkpoint.pt, bundle, HF ViTMSN folder;
+    # training/bundle/warm_start.py); fresh optimiser and schedules. --resume of an existing checkpoint wins.
+    init_from: str | None = None
 
 
 @dataclass
@@ -162,12 +177,30 @@ def read_raw_config(path: str | Path | None, overrides: list[str] | None) -> dic
             raw = yaml.safe_load(f) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        _set_nested(raw, key.strip().split("."), yaml.safe_load(value))
+        raw.pop("plan", None)  # a planned run's config.yaml says why each value was chosen: a record, not a setting
+    apply_overrides(raw, overrides or [])
     return raw
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Merge ``key=value`` items into ``raw``, in order (a later one wins); values are parsed as YAML.
+
+    Each item is one ``key=value``: ``--set a=1 b=2`` and ``--set a=1 --set b=2`` both arrive here as two items.
+    """
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({err.problem})") from None
+        set_key(raw, key.strip(), parsed)
+
+
+def set_key(raw: dict[str, Any], dotted_key: str, value: Any) -> None:
+    """Set ``raw[a][b] = value`` for ``dotted_key`` ``"a.b"`` (a value already typed, not a YAML string)."""
+    _set_nested(raw, dotted_key.split("."), value)
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -233,16 +266,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"mask.focal_size={mask.focal_size} is not a multiple of model.patch_size={m.patch_size}")
     if not 0.0 <= mask.ratio < 1.0:
         raise ConfigError(f"mask.ratio={mask.ratio} must be in [0, 1)")
-    if data.source not in ("image_folder", "fashion-mnist", "synthetic"):
-        raise ConfigError(f"data.source={data.source!r}: expected image_folder, fashion-mnist or synthetic")
-    if data.source == "image_folder" and not data.root:
-        raise ConfigError("data.root is required when data.source=image_folder")
+    if data.source not in SOURCES:
+        raise ConfigError(f"data.source={data.source!r}: expected {', '.join(SOURCES)}")
+    if data.source in FILE_SOURCES and not data.root:
+        raise ConfigError(f"data.root is required when data.source={data.source} (a folder of images or a file "
+                          "list; on the command line: --data DIR)")
     try:
         parse_feature(m.feature)
     except FeatureError as err:
         raise ConfigError(f"model.feature: {err}") from None
     if cfg.run.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision={cfg.run.precision!r}: expected auto, fp32 or bf16")
+    if cfg.run.probe_every_steps < 0 or cfg.run.probe_images < 0:
+        raise ConfigError(f"run.probe_every_steps={cfg.run.probe_every_steps} and run.probe_images="
+                          f"{cfg.run.probe_images} must be >= 0 (0 turns the kNN probe off)")
     if cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"run.device={cfg.run.device!r}: expected auto, cpu or cuda")
     for name in ("rand_crop_scale", "focal_crop_scale"):
@@ -338,6 +375,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {hint}")
 
 
-def dump_config(cfg: Config, path: str | Path) -> None:
+def dump_config(cfg: Config, path: str | Path, plan: dict[str, Any] | None = None) -> None:
+    """Write the resolved config; ``plan`` (training/run/plan.py) adds a ``plan`` section that loading ignores."""
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        if plan is not None:
+            yaml.safe_dump({"plan": plan}, f, sort_keys=False, width=120)

@@ -5,7 +5,9 @@ augmentation runs batched on the training device (``training.views``). Keeping w
 data loading from starving the GPU, and uint8 batches cost a quarter of the host-to-device bandwidth of float32.
 
 A sample is ``Sample(image uint8 (3, S, S), label int, num_skipped int)``; ``num_skipped`` counts unreadable files
-that were replaced by the next readable one, so the training loop can sum and report them instead of crashing.
+that were replaced by the next readable one, so the training loop can sum and report them instead of crashing. The
+label is -1 for images without one (an unlabelled folder or list). Which files a source holds is
+``training.sources``'s business; this module decodes them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from PIL import Image, ImageOps
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from training.sources import FILE_SOURCES, IMAGE_EXTENSIONS, SOURCES, SourceError, SourceListing, list_images
+
 log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -37,7 +41,6 @@ FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = (
     "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 )
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
 
 class Sample(NamedTuple):
@@ -57,26 +60,25 @@ def normalization_stats(source: str) -> tuple[tuple[float, ...], tuple[float, ..
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Convert any Pillow mode to 8-bit RGB.
+    """Convert any Pillow mode to 8-bit RGB, as ``msn-serve`` does (``msn_serve/embedding/preprocess.py``), so
+    training, evaluation and serving see the same pixels.
 
     Pillow's own ``convert("RGB")`` clips 16/32-bit greyscale at 255 instead of rescaling, which turns most 16-bit
-    PNGs white, so integer and float modes are rescaled from their full range here. Transparent images are composited
-    onto black: the colour stored under alpha 0 is arbitrary, and LA, RGBA and transparent palettes then all agree.
+    PNGs white: ``I;16`` is divided by 257 and ``I`` by ``max(65535, its maximum)``; float images are taken as
+    [0, 1] when they fit. Alpha is dropped, not composited, as torchvision's loader (the official code's) and
+    ``msn-serve`` do: LA, RGBA and transparent palettes keep the colour stored under their alpha.
     """
     if image.mode.startswith("I") or image.mode == "F":
         array = np.asarray(image, dtype=np.float64)
-        # 16-bit PNGs open as I;16 (or I in older Pillow); float images are taken as [0, 1] when they fit.
-        full_scale = 1.0 if image.mode == "F" and array.max(initial=0) <= 1 else 255.0
-        if image.mode.startswith("I;16") or array.max(initial=0) > 255:
-            full_scale = 65535.0
-        array = np.clip(np.rint(array * (255.0 / full_scale)), 0, 255).astype(np.uint8)
-        return Image.fromarray(array).convert("RGB")
-    if image.mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    if image.mode in ("RGBA", "LA", "PA"):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        if image.mode.startswith("I;16"):
+            array = array / 257.0
+        elif image.mode == "I":
+            array = array * (255.0 / max(65535.0, float(array.max(initial=0))))
+        elif array.max(initial=0) <= 1.0:
+            array = array * 255.0
+        return Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8)).convert("RGB")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")  # palette transparency converts cleanly only through RGBA
     return image.convert("RGB")
 
 
@@ -97,8 +99,11 @@ def load_image(path: str | os.PathLike, size: int) -> Image.Image:
     with Image.open(path) as image:
         # JPEG DCT scaling: decode at the smallest 1/2, 1/4, 1/8 scale that is still >= size (much faster).
         image.draft("RGB", (size, size))
-        image = ImageOps.exif_transpose(image)
         image.load()  # truncated files raise here rather than later
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception:  # noqa: BLE001 - a malformed EXIF block leaves the pixels readable, as stored
+            log.debug("ignoring the unreadable EXIF orientation of %s", path)
         return resize_center_crop(to_rgb(image), size)
 
 
@@ -110,42 +115,25 @@ def pil_to_tensor(image: Image.Image) -> Tensor:
 # ----------------------------------------------------------------------------------------------------- datasets
 
 
-class ImageFolderDataset(Dataset):
-    """``root/<class>/**/<image>`` (ImageNet / ImageFolder layout), decoded with Pillow in the loader workers.
+class ImageListDataset(Dataset):
+    """The images of a ``training.sources.SourceListing`` (folder, image folder or file list), decoded with Pillow
+    in the loader workers.
 
-    Unreadable files (corrupt, truncated, empty, not an image) are replaced by the next readable file in sorted
-    order, wrapping around; the sample's ``num_skipped`` says how many files were stepped over. Known-bad indices are
-    remembered per worker so they are decoded once.
-
-    ``subset`` optionally names a text file restricting the dataset: one entry per line, either a path relative to
-    ``root`` (``n01440764/n01440764_10026.JPEG``) or a bare file name as in the official MSN ImageNet subsets
-    (``n01440764_10026.JPEG``).
+    Unreadable files (corrupt, truncated, empty, missing, not an image) are replaced by the next readable file in
+    the listing's order, wrapping around; the sample's ``num_skipped`` says how many files were stepped over.
+    Known-bad indices are remembered per worker so they are decoded once. ``samples`` holds ``(name, label)`` pairs
+    (label -1 when unlabelled) and ``labels`` is None for an unlabelled source.
     """
 
-    def __init__(self, root: str | os.PathLike, *, load_size: int, subset: str | os.PathLike | None = None,
-                 extensions: Sequence[str] = IMAGE_EXTENSIONS) -> None:
-        self.root = Path(root)
+    def __init__(self, listing: SourceListing, *, load_size: int) -> None:
+        self.root = Path(listing.base)
+        self.source = listing.source
         self.load_size = load_size
-        if not self.root.is_dir():
-            raise FileNotFoundError(f"image folder {self.root} does not exist")
-        self.classes = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir())
+        labels = listing.labels if listing.labels is not None else [-1] * len(listing.names)
+        self.samples = list(zip(listing.names, labels))
+        self.classes = list(listing.classes or [])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
-        suffixes = tuple(ext.lower() for ext in extensions)
-        files: list[tuple[str, int]] = []
-        for name in self.classes:
-            for dirpath, dirnames, filenames in os.walk(self.root / name, followlinks=True):
-                dirnames.sort()
-                rel_dir = os.path.relpath(dirpath, self.root)
-                files.extend((os.path.join(rel_dir, f), self.class_to_idx[name])
-                             for f in sorted(filenames) if f.lower().endswith(suffixes))
-        if subset is not None:
-            files = _select_subset(files, Path(subset))
-        if not files:
-            raise FileNotFoundError(
-                f"no images ({', '.join(suffixes)}) found in class subdirectories of {self.root}; "
-                "expected the ImageFolder layout root/<class>/<image>")
-        self.samples = files
-        self.labels = np.array([label for _, label in files], dtype=np.int64)
+        self.labels = np.asarray(listing.labels, dtype=np.int64) if listing.labels is not None else None
         self._bad: set[int] = set()
 
     def __len__(self) -> int:
@@ -156,30 +144,26 @@ class ImageFolderDataset(Dataset):
             i = (index + skipped) % len(self.samples)
             if i in self._bad:
                 continue
-            rel_path, label = self.samples[i]
+            name, label = self.samples[i]
+            path = self.root / name
             try:
-                image = load_image(self.root / rel_path, self.load_size)
+                image = load_image(path, self.load_size)
             except Exception as error:  # noqa: BLE001 - any undecodable file must not end the epoch
                 self._bad.add(i)
-                log.warning("skipping unreadable image %s: %s", self.root / rel_path, error)
+                log.warning("skipping unreadable image %s: %s", path, error)
                 continue
             return Sample(pil_to_tensor(image), label, skipped)
         raise RuntimeError(f"none of the {len(self.samples)} files under {self.root} could be decoded")
 
 
-def _select_subset(files: list[tuple[str, int]], subset: Path) -> list[tuple[str, int]]:
-    by_path = {path: (path, label) for path, label in files}
-    by_name = {os.path.basename(path): (path, label) for path, label in files}
-    entries = [line.strip() for line in subset.read_text().splitlines() if line.strip()]
-    selected, missing = [], []
-    for entry in entries:
-        key = os.path.normpath(entry)
-        found = by_path.get(key) or (by_name.get(entry) if "/" not in entry else None)
-        (selected if found else missing).append(found or entry)
-    if missing:
-        raise FileNotFoundError(f"{len(missing)} of {len(entries)} entries of subset file {subset} are not in the "
-                                f"image folder, e.g. {missing[:3]}")
-    return selected
+class ImageFolderDataset(ImageListDataset):
+    """``root/<class>/**/<image>`` (ImageNet / ImageFolder layout); ``subset`` optionally names a text file
+    restricting it: relative paths (``n01440764/n01440764_10026.JPEG``) or bare file names as in the official MSN
+    ImageNet subsets (``n01440764_10026.JPEG``)."""
+
+    def __init__(self, root: str | os.PathLike, *, load_size: int, subset: str | os.PathLike | None = None,
+                 extensions: Sequence[str] = IMAGE_EXTENSIONS) -> None:
+        super().__init__(list_images("image_folder", root, subset=subset, extensions=extensions), load_size=load_size)
 
 
 def _read_idx(path: Path, magic: int) -> np.ndarray:
@@ -269,23 +253,26 @@ class SyntheticDataset(Dataset):
 
 def build_dataset(source: str, *, root: str | None = None, split: str = "train", load_size: int,
                   synthetic_size: int = 512, synthetic_classes: int = 10, seed: int = 0,
-                  subset: str | None = None) -> Dataset:
-    """Build the dataset named by ``source``: ``image_folder``, ``fashion-mnist`` or ``synthetic``.
+                  subset: str | None = None, image_root: str | None = None) -> Dataset:
+    """Build the dataset named by ``source``: one of ``training.sources.SOURCES``.
 
-    For ``image_folder``, ``split`` is a subdirectory of ``root`` when it exists (``root/train``, ``root/val``),
-    otherwise ``root`` itself is the class folder.
+    On-disk sources (``auto``, ``folder``, ``image_folder``, ``file_list``) are listed by
+    ``training.sources.list_images``: for folders, ``split`` is a subfolder of ``root`` when it exists
+    (``root/train``; ``root/val`` or ``root/test``), otherwise ``root`` itself; ``image_root`` is where a file
+    list's relative paths point.
     """
-    if source == "image_folder":
+    if source in FILE_SOURCES:
         if root is None:
-            raise ValueError("source 'image_folder' needs root")
-        folder = Path(root) / split if (Path(root) / split).is_dir() else Path(root)
-        return ImageFolderDataset(folder, load_size=load_size, subset=subset)
+            raise ValueError(f"source {source!r} needs root (a folder of images or a file list)")
+        listing = list_images(source, root, split=split, image_root=image_root, subset=subset)
+        log.info("data (%s): %s", split, listing.describe())
+        return ImageListDataset(listing, load_size=load_size)
     if source == "fashion-mnist":
         return FashionMNIST(root, split=split, load_size=load_size)
     if source == "synthetic":
         split_seed = seed if split == "train" else seed + 1_000_003
         return SyntheticDataset(synthetic_size, num_classes=synthetic_classes, load_size=load_size, seed=split_seed)
-    raise ValueError(f"unknown dataset source {source!r}; expected image_folder, fashion-mnist or synthetic")
+    raise ValueError(f"unknown dataset source {source!r}; expected {', '.join(SOURCES)}")
 
 
 # ------------------------------------------------------------------------------------------- batching, sampling
@@ -347,8 +334,8 @@ def build_loader(dataset: Dataset, *, batch_size: int, num_workers: int, rank: i
     """DataLoader over ``ResumableDistributedSampler`` with full batches only and persistent workers."""
     sampler = ResumableDistributedSampler(dataset, rank=rank, world_size=world_size, seed=seed)
     if sampler.num_samples < batch_size:
-        raise ValueError(f"{len(dataset)} samples over {world_size} rank(s) give {sampler.num_samples} per rank, "
-                         f"fewer than one batch of {batch_size}")
+        raise SourceError(f"{len(dataset)} samples over {world_size} rank(s) give {sampler.num_samples} per rank, "
+                          f"fewer than one batch of {batch_size} (data.batch_size is per process)")
     loader = DataLoader(
         dataset,
         batch_size=batch_size,

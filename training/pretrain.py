@@ -1,15 +1,17 @@
 """MSN pretraining.
 
     torchrun --nproc_per_node=N training/pretrain.py --config configs/X.yaml --output-dir runs/X [--set k=v ...]
+    torchrun --nproc_per_node=N training/pretrain.py --data DIR --output-dir runs/X   # your images (a folder, a list)
     msn-pretrain --config configs/X.yaml --output-dir runs/X            # one process, same thing
     torchrun ... --resume        # continue exactly from runs/X/checkpoint.pt
+    torchrun ... --init-from PATH   # warm start: official .pth.tar, checkpoint.pt, bundle or HF ViTMSN folder
 
 One process per device (CPU processes use gloo, GPUs NCCL); multi-node through torchrun's rendezvous flags.
 Per image and step: an unmasked target view goes through the EMA target encoder; a patch-dropped anchor view and
 `num_focal` small focal views go through the online encoder; the anchors' prototype assignments are trained to
 match the sharpened, Sinkhorn-balanced assignment of the target (training/model/losses.py). The run lasts
-`optim.epochs`, `optim.total_steps` optimiser steps, or `optim.budget_minutes` of wall-clock time, decided once
-before the loop (training/run/length.py).
+`optim.epochs`, `optim.total_steps` optimiser steps, or `optim.budget_minutes` of wall-clock time, decided
+before the loop (training/run/length.py); a budget run re-plans it from its measured rate (training/run/budget.py).
 
 `main` reads top to bottom: config -> distributed -> build (and resume) -> run length -> loop -> save.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,15 +30,27 @@ from pathlib import Path
 import torch
 
 from training import distributed as dist
+from training.bundle.warm_start import init_run
 from training.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, copy_checkpoint, load_checkpoint
-from training.config import ConfigError, dump_config, load_config
+from training.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    read_raw_config,
+    set_key,
+)
 from training.model.vit import encoder_kwargs
 from training.run.build import Run, build_run, preprocessing
-from training.run.length import RunLength, build_schedules, decide_run_length
+from training.run.collapse import CollapseDetector, RunGeometry
+from training.run.length import RunLength, RunPlan, plan_run
 from training.run.monitor import TrainingMonitor
-from training.run.schedules import Schedules
+from training.run.plan import parse_budget, plan_config, set_length
+from training.run.probe import build_probe
 from training.run.state import Progress, TrainState, batches_from, restore_progress, save_progress
 from training.run.step import StepOutput, train_step
+from training.sources import MEMORY_SOURCES, SourceError
 
 log = logging.getLogger("msn.train")
 
@@ -44,9 +59,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="YAML config (keys: see training/config.py)")
     parser.add_argument("--output-dir", type=Path, required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set optim.budget_minutes=30 (repeatable)")
+    parser.add_argument("--data", metavar="DIR|LIST", help="your images, without a config if you like: a folder "
+                        "(flat, nested or root/<class>/...), a file list (.txt/.csv), or fashion-mnist | synthetic; "
+                        "sets data.source=auto and data.root (docs/training.md#your-own-images)")
+    parser.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override config keys: --set optim.budget_minutes=30 data.batch_size=128 "
+                             "(repeatable; later ones win)")
+    parser.add_argument("--budget", metavar="TIME", type=parse_budget, help="train for this wall-clock time, e.g. "
+                        "30m, 2h, 1h30m (optim.budget_minutes); with --data and no --config the run is planned")
+    parser.add_argument("--epochs", metavar="N", type=int, help="train for N passes over the data (optim.epochs)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt if it exists")
+    parser.add_argument("--eval-data", metavar="DIR|LIST", help="labelled images for the kNN probe during training "
+                        "(run.eval_data): a labelled folder or file list, or fashion-mnist; default: the training "
+                        "images when they have labels")
+    parser.add_argument("--init-from", metavar="PATH", help="warm start (run.init_from): official .pth.tar, "
+                        "checkpoint.pt, bundle or HF ViTMSN folder; --resume of an existing checkpoint wins")
     return parser.parse_args(argv)
 
 
@@ -54,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     # 1. config: YAML + --set overrides; a bad key is an error message, not a traceback
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = resolve_config(args)
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"pretrain: {err}")
     # 2. distributed: one process per device (torchrun's environment, or a single process)
@@ -64,50 +91,99 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if info.rank == 0:
             args.output_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(cfg, args.output_dir / "config.yaml")
+            if args.plan is not None:
+                print(args.plan.describe(), flush=True)
+            dump_config(cfg, args.output_dir / "config.yaml", plan=args.plan.record() if args.plan else None)
         # 3. build: data, views, networks, loss, optimiser; then the stored position when resuming
-        run = build_run(cfg, info)
+        try:
+            run = build_run(cfg, info)
+        except SourceError as err:  # the data: no images, a malformed list, a wrong layout
+            sys.exit(f"pretrain: {err}")
         state, progress = TrainState(run.online, run.target, run.optimizer), Progress()
         checkpoints = Checkpoints(run, state, args.output_dir)
-        if args.resume and checkpoints.path.exists():
+        resumed = args.resume and checkpoints.path.exists()
+        if resumed:
             progress = checkpoints.resume()
-        # 4. run length, decided once (stored, or from steps, a timed budget or epochs), and the schedules over it
-        length = decide_run_length(run, stored_total_steps=state.total_steps, started_at=started_at)
-        state.total_steps = length.total_steps  # stored in every checkpoint: --resume keeps this length
-        schedules = build_schedules(cfg, length)
+        init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
+        probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
+        # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
+        # re-plans both from its measured rate (training/run/budget.py); every checkpoint stores the plan
+        plan = plan_run(run, stored=state.stored_length, started_at=started_at)
+        state.length = plan
+        length = plan.length
         # 5. loop: optimiser steps with logs and periodic checkpoints
         monitor = TrainingMonitor(args.output_dir, enabled=info.rank == 0, total_steps=length.stop_at,
-                                  start_step=progress.step, num_prototypes=cfg.model.num_prototypes,
-                                  progress_bar=cfg.run.progress_bar, tensorboard=cfg.run.tensorboard)
+                                  start_step=progress.step, progress_bar=cfg.run.progress_bar,
+                                  tensorboard=cfg.run.tensorboard, probe=probe,
+                                  detector=CollapseDetector(RunGeometry.from_config(cfg)),
+                                  stop_on_collapse=cfg.run.stop_on_collapse)
         monitor.write(describe(run, length))
-        last = train_loop(run, schedules, length, progress, monitor, checkpoints)
+        last = train_loop(run, plan, progress, monitor, checkpoints)
         # 6. save: the last step's checkpoint, unless the loop just wrote it
         if last is not None and checkpoints.saved_step != progress.step:
             checkpoints.save(progress, last)
         minutes = (time.monotonic() - started_at) / 60
-        monitor.write(f"done: step {progress.step} of {length.total_steps}, epoch {progress.epoch}, "
-                      f"{minutes:.1f} min; checkpoint at {checkpoints.path}")
+        spent = f"; {plan.summary()}" if plan.budget is not None else ""
+        monitor.write(f"done: step {progress.step} of {plan.length.total_steps}, epoch {progress.epoch}, "
+                      f"{minutes:.1f} min{spent}; checkpoint at {checkpoints.path}")
         monitor.close()
+        if monitor.stopped_by is not None:  # run.stop_on_collapse: the checkpoint is kept, the exit status says so
+            sys.exit(f"pretrain: stopped at step {progress.step} because training collapsed (run.stop_on_collapse); "
+                     f"see the warning above and metrics.jsonl; checkpoint at {checkpoints.path}")
     finally:
         dist.cleanup()
 
 
-def train_loop(run: Run, schedules: Schedules, length: RunLength, progress: Progress, monitor: TrainingMonitor,
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The run's config: the dataclass defaults, then ``--config``'s YAML, then ``--data``, then ``--set`` (later
+    wins). This is the one place the command line becomes a config: whatever is decided from the data and the machine
+    before the run is built belongs here, so it is recorded in ``config.yaml`` and ``--set`` still overrides it.
+    ``--budget`` / ``--epochs`` replace the config's length; ``--data`` without ``--config`` plans the run from the
+    data and the machine (``training/run/plan.py``), kept in ``args.plan`` for the log and ``config.yaml``."""
+    raw = read_raw_config(args.config, None)
+    if args.data is not None:
+        named = args.data in MEMORY_SOURCES and not Path(args.data).exists()
+        if not named and not Path(args.data).exists():
+            raise FileNotFoundError(f"--data {args.data}: no such folder or file list")
+        set_key(raw, "data.source", args.data if named else "auto")
+        set_key(raw, "data.root", None if named else os.path.abspath(args.data))  # config.yaml: cwd-independent
+    if args.eval_data is not None:
+        set_key(raw, "run.eval_data", args.eval_data)
+    if args.init_from is not None:
+        set_key(raw, "run.init_from", os.path.abspath(args.init_from))  # config.yaml: cwd-independent
+    set_length(raw, budget_minutes=args.budget, epochs=args.epochs)
+    args.plan = None  # --data without a recipe: plan one from the data and the machine (training/run/plan.py)
+    if args.data is not None and args.config is None:
+        args.plan = plan_config(raw, args.overrides)
+        for key, value in args.plan.values.items():
+            set_key(raw, key, value)
+    apply_overrides(raw, args.overrides)
+    return config_from_dict(raw)
+
+
+def train_loop(run: Run, plan: RunPlan, progress: Progress, monitor: TrainingMonitor,
                checkpoints: Checkpoints) -> StepOutput | None:
-    """Optimiser steps from ``progress`` to ``length.stop_at``, with logs and periodic and epoch checkpoints.
+    """Optimiser steps from ``progress`` to ``plan.length.stop_at`` (which a budget run re-plans as it goes), with
+    logs and periodic and epoch checkpoints.
 
     Returns the last step's output (None when there was no step left); the caller writes the last checkpoint.
     """
     cfg, last, skipped_files = run.cfg, None, 0
     batches = batches_from(run.loader, run.sampler, progress, cfg.data.batch_size)
-    while progress.step < length.stop_at:
+    plan.start(progress.step)
+    while progress.step < plan.length.stop_at:
         images, _labels, num_skipped = next(batches)
         skipped_files += num_skipped
-        last = train_step(run, schedules.at(progress.step), images)
+        last = train_step(run, plan.schedules.at(progress.step), images)
         epoch_ended = progress.advance(run.steps_per_epoch)
         monitor.step(run.global_batch)
-        if progress.step % cfg.run.log_every_steps == 0 or progress.step == length.stop_at:
-            monitor.log(progress.step, progress.epoch, log_record(last, run, skipped_files))
+        if plan.after_step(progress.step) is not None and monitor.bar is not None:
+            monitor.bar.total = plan.length.stop_at  # the progress bar follows the re-planned end
+        if progress.step % cfg.run.log_every_steps == 0 or progress.step == plan.length.stop_at:
+            monitor.log(progress.step, progress.epoch, log_record(last, run, skipped_files),
+                        final=progress.step == plan.length.stop_at)
+            if monitor.should_stop():  # run.stop_on_collapse and a collapse confirmed: every rank stops here
+                break
         if progress.step % cfg.run.checkpoint_every_steps == 0 or epoch_ended:
             checkpoints.save(progress, last)
             keep_every = cfg.run.keep_epoch_checkpoints

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from msn_core.preprocessing import resize_plan
+
 
 def blur_kernel_size(view_size: int) -> int:
     """Odd Gaussian kernel of about 10 % of the view (SimCLR), at least 3."""
@@ -97,29 +99,26 @@ class MultiViewAugment(nn.Module):
 
 def eval_transform(images_uint8: Tensor, *, resize: int, crop: int, mean: Sequence[float],
                    std: Sequence[float]) -> Tensor:
-    """Evaluation / export preprocessing: resize the shorter side, centre-crop, normalise.
+    """Evaluation / export preprocessing (:mod:`msn_core.preprocessing`, the bundle's contract) on a batch of uint8
+    images, on the device they are on: resize the shorter side, centre-crop, normalise.
 
-    Matches the Pillow pipeline that serving runs, to within one grey level before normalisation:
+    Matches the Pillow pipeline that serving runs (:func:`msn_core.preprocessing.transform_image`), to within one
+    grey level before normalisation:
 
-    1. ``image.resize((round(w * resize / min(h, w)), round(h * resize / min(h, w))), Image.BICUBIC)``;
-       torch's antialiased bicubic is Pillow's filter (a = -0.5 with support scaled on downsampling);
-       the result is rounded to uint8 as Pillow does.
-    2. crop ``crop`` x ``crop`` at offset ``((H - crop) // 2, (W - crop) // 2)``;
+    1. the geometry is :func:`msn_core.preprocessing.resize_plan`'s (rounded new size, floored crop offset);
+    2. torch's antialiased bicubic is Pillow's filter (a = -0.5 with support scaled on downsampling); the result is
+       rounded to uint8 as Pillow does;
     3. ``(x / 255 - mean) / std``.
     """
     if images_uint8.dtype != torch.uint8 or images_uint8.dim() != 4:
         raise ValueError(f"expected uint8 (B, C, H, W) images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
     height, width = images_uint8.shape[-2:]
-    if crop > resize:
-        raise ValueError(f"crop {crop} is larger than the resized shorter side {resize}")
-    scale = resize / min(height, width)
-    new_h, new_w = max(resize, round(height * scale)), max(resize, round(width * scale))
+    plan = resize_plan(height, width, resize, crop)
     x = images_uint8.float()
-    if (new_h, new_w) != (height, width):
-        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+    if (plan.height, plan.width) != (height, width):
+        x = F.interpolate(x, size=(plan.height, plan.width), mode="bicubic", align_corners=False, antialias=True)
         x = x.round_().clamp_(0, 255)
-    top, left = (new_h - crop) // 2, (new_w - crop) // 2
-    x = x[..., top : top + crop, left : left + crop].div_(255.0)
+    x = x[..., plan.top : plan.top + crop, plan.left : plan.left + crop].div_(255.0)
     mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
     std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
     return ((x - mean_t) / std_t).contiguous()

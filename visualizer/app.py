@@ -7,6 +7,10 @@ and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.ma
 specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
 Sampling runs through Gradio's queue with a bounded concurrency. Outside localhost, protect it with a login
 (:func:`password_check`: user:password lines, or the msn-serve API key as the password).
+
+The app offers only what the decoder was trained for: the guidance slider appears only for a decoder whose checkpoint
+records condition dropout (otherwise guidance is fixed at 1 and ``/sample`` refuses any other scale), and the header
+names the decoder's training step and the quality figure its run measured (:mod:`visualizer.quality`).
 """
 
 from __future__ import annotations
@@ -27,18 +31,20 @@ import torch
 from PIL import Image
 
 from msn_core.masks import keep_from_bitmap
-from visualizer.labeling import build_label_tab
+from visualizer.label_tab import build_label_tab
 from visualizer.masks import MODES, keep_bitmap, mask_spec
 from visualizer.pipeline import RCDMPipeline, load_image
+from visualizer.quality import describe
 from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
 
-__all__ = ["build_app", "example_images", "launch", "password_check"]
+__all__ = ["build_app", "decoder_summary", "example_images", "launch", "password_check"]
 
 log = logging.getLogger("msn.visualize")
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
 GRID_PX = 320
 SHOW_PX = 160
 EXAMPLE_PX = 384
+GUIDANCE_MAX_SLIDER = 5.0
 
 
 def _save_png(image: Image.Image, path: Path) -> None:
@@ -81,6 +87,16 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
         _save_png(picture, path)
         paths.append(path)
     return paths
+
+
+def decoder_summary(pipe: RCDMPipeline) -> str:
+    """What the decoder is: its training step, its measured quality, and whether it can be guided."""
+    text = f"Decoder: step {pipe.step:,} of {pipe.config.optim.max_steps:,}; {describe(pipe.quality)}."
+    if pipe.guidance_trained:
+        return (f"{text} Trained with condition dropout {pipe.cond_drop_prob:g}: guidance 1 samples from the "
+                "embedding alone, 0 ignores it (unconditional), above 1 follows it more strictly.")
+    return (f"{text} Guidance is fixed at 1 (plain conditional sampling): this decoder was trained without condition "
+            "dropout, so it has no unconditional branch to guide with.")
 
 
 def kept_status(keep: np.ndarray, spec: dict[str, Any] | None) -> str:
@@ -139,8 +155,12 @@ class Session:
         if not keep.any():
             raise gr.Error("Every patch is masked: keep at least one (click a dimmed patch).")
         image = torch.from_numpy(view).permute(2, 0, 1).unsqueeze(0).contiguous()
+        try:
+            scale = pipe.guidance(guidance)
+        except ValueError as exc:
+            raise gr.Error(f"Bad guidance: {exc}") from None
         samples = pipe.sample(image, keep_from_bitmap(keep), num_samples=int(num_samples), steps=int(steps),
-                              guidance_scale=float(guidance), seed=int(seed))
+                              guidance_scale=scale, seed=int(seed))
         size = max(SHOW_PX, pipe.image_size)
         return upscale(masked_view(view, keep), SHOW_PX), [upscale(to_hwc(s), size) for s in samples]
 
@@ -149,14 +169,18 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
               examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
     session = Session(primary, compare)
     cfg = primary.config.diffusion
+    about = decoder_summary(primary)
+    if compare is not None:
+        about += f"  \nComparison bundle {compare.name}: {decoder_summary(compare)}"
     with gr.Blocks(title="MSN + RCDM: what the representation keeps", analytics_enabled=False) as demo:
         with gr.Tab("RCDM: what the representation keeps", elem_id="tab-rcdm"):
             gr.Markdown(
                 "## What does the MSN representation keep?\n"
-                f"An RCDM diffusion decoder (step {primary.step}) samples images from the frozen embedding of "
+                "An RCDM diffusion decoder samples images from the frozen embedding of "
                 f"bundle `{primary.encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
                 "is what the representation encodes."
             )
+            gr.Markdown(about, elem_id="decoder-info")
             clicked = gr.State(None)
             with gr.Row():
                 with gr.Column(scale=1):
@@ -173,8 +197,9 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
             with gr.Row():
                 num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples")
                 steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
-                guidance = gr.Slider(0.0, 5.0, value=cfg.guidance_scale, step=0.5, label="Guidance scale",
-                                     visible=primary.config.diffusion.cond_drop_prob > 0)
+                guidance = gr.Slider(0.0, GUIDANCE_MAX_SLIDER, value=min(primary.guidance(), GUIDANCE_MAX_SLIDER),
+                                     step=0.5, label="Guidance scale", elem_id="guidance",
+                                     visible=primary.guidance_trained, interactive=primary.guidance_trained)
                 sample_seed = gr.Number(0, precision=0, label="Sample seed")
             status = gr.Markdown(elem_id="status")
             with gr.Tab("Samples"):

@@ -31,8 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--data", help="dataset source: fashion-mnist | image_folder | synthetic (config data.source)")
     train.add_argument("--data-root", help="image folder root (config data.root)")
     train.add_argument("--output-dir", type=Path, required=True)
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set optim.max_steps=500 (repeatable)")
+    train.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="override config keys, e.g. --set optim.max_steps=500 data.batch_size=32 (repeatable)")
     train.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt if present")
 
     sample = sub.add_parser("sample", help="sample images conditioned on one (masked) image")
@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--num-samples", type=int, default=8)
     sample.add_argument("--steps", type=int, help="sampling steps (default: the decoder config's)")
     sample.add_argument("--sampler", choices=("ddim", "ddpm"))
-    sample.add_argument("--guidance-scale", type=float)
+    sample.add_argument("--guidance-scale", type=float,
+                        help="classifier-free guidance; other than 1 only for a decoder trained with condition dropout")
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--backend", choices=("torch", "onnx"), help="encoder backend (default: as trained)")
     sample.add_argument("--device", default="cpu")

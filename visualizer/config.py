@@ -15,7 +15,9 @@ import yaml
 
 from training.api import ConfigError, build_dataclass, read_raw_config
 
-__all__ = ["ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
+__all__ = ["MAX_GUIDANCE", "ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
+
+MAX_GUIDANCE = 10.0  # classifier-free guidance scales beyond this only saturate samples
 
 
 @dataclass
@@ -38,7 +40,8 @@ class DiffusionConfig:
     num_train_timesteps: int = 1000
     beta_schedule: str = "linear"  # linear (RCDM) | squaredcos_cap_v2
     vb_weight: float = 1.0  # weight of the variational-bound term of the hybrid loss (learn_sigma only)
-    cond_drop_prob: float = 0.0  # >0 trains a null embedding for classifier-free guidance
+    # >0 trains a null embedding for classifier-free guidance; a decoder trained with 0 samples at guidance 1 only
+    cond_drop_prob: float = 0.0
     sampler: str = "ddim"  # ddim (eta 0) | ddpm (ancestral, uses the learned variance)
     sample_steps: int = 50
     guidance_scale: float = 1.0  # 1 = plain conditional sampling
@@ -87,6 +90,9 @@ class RunConfig:
     grid_images: int = 6  # conditioning images in the sample grid
     grid_samples: int = 4  # samples per conditioning image
     grid_mask_ratio: float = 0.7
+    # Held-out images whose samples are classified at the end of each invocation (visualizer.quality: the class
+    # consistency the app shows); 0 skips it.
+    quality_images: int = 50
     progress_bar: bool = True
 
 
@@ -147,6 +153,10 @@ def validate(cfg: RCDMConfig) -> None:
         raise ConfigError(f"optim.max_minutes={cfg.optim.max_minutes}: expected a positive number of minutes or null")
     if not 0.0 <= cfg.run.grid_mask_ratio < 1.0:
         raise ConfigError("run.grid_mask_ratio must be in [0, 1)")
+    if cfg.run.quality_images < 0:
+        raise ConfigError(f"run.quality_images={cfg.run.quality_images}: expected 0 (skip) or more images")
+    if not 0.0 <= d.guidance_scale <= MAX_GUIDANCE:
+        raise ConfigError(f"diffusion.guidance_scale must be in [0, {MAX_GUIDANCE:g}]")
 
 
 def dump_config(cfg: RCDMConfig, path: str | Path) -> None:

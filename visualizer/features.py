@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from msn_core.bundle import check_graph_inputs, onnx_feeds
+from msn_core.inference import OrtGraph
 from msn_core.masks import PAD, num_kept
 from training.api import as_keep_tensor, encoder_keep_args, eval_transform, read_feature
 
@@ -62,18 +62,12 @@ class FrozenEncoder:
         self.transform = {"resize": prep.resize, "crop": prep.crop, "mean": list(prep.mean), "std": list(prep.std)}
         self.patch_size, self.grid = self.info.patch_size, self.info.grid
         self.num_patches, self.dim = self.info.num_patches, self.info.embed_dim  # the bundle's feature width
-        self.encoder = self.session = None
+        self.encoder = self.graph = None
         if backend == "torch":
             self.encoder = encoder.to(self.device).eval().requires_grad_(False)
             self.spec = feature_spec(encoder, self.feature)
         elif backend == "onnx":
-            import onnxruntime as ort
-
-            providers = ["CUDAExecutionProvider"] if self.device.type == "cuda" else []
-            self.session = ort.InferenceSession(str(self.info.onnx_path),
-                                                providers=providers + ["CPUExecutionProvider"])
-            self.onnx_inputs = {i.name for i in self.session.get_inputs()}
-            check_graph_inputs(self.onnx_inputs)
+            self.graph = OrtGraph(self.info.onnx_path, device=str(self.device))  # as msn-serve runs it
         else:
             raise ValueError(f"backend must be 'torch' or 'onnx', got {backend!r}")
 
@@ -104,8 +98,7 @@ class FrozenEncoder:
             keep = keep.to(self.device)
             _, keep_mask = encoder_keep_args(keep)
             return read_feature(self.encoder, self.spec, pixels.float(), keep, keep_mask).float()
-        feeds = onnx_feeds(self.onnx_inputs, pixels.float().cpu().numpy(), keep.numpy())
-        return torch.from_numpy(self.session.run(["embedding"], feeds)[0]).to(self.device)
+        return torch.from_numpy(self.graph.run(pixels.float().cpu().numpy(), keep.numpy())).to(self.device)
 
     def embed_masked_batch(self, images_uint8: Tensor, *, mask_prob: float, ratio_min: float, ratio_max: float,
                            generator: torch.Generator | None = None) -> Tensor:

@@ -3,6 +3,10 @@
 ``RCDMPipeline.from_dirs(bundle, decoder_run)`` reads the run's ``checkpoint.pt`` (EMA weights, config) and the
 bundle; ``pipeline.sample(image, keep_idx, num_samples=8)`` returns uint8 samples, one conditioning vector repeated
 ``num_samples`` times, as RCDM does, so what varies between samples is what the representation does not fix.
+
+Guidance other than 1 is refused for a decoder whose checkpoint does not record condition dropout
+(``cond_drop_prob`` > 0; older checkpoints lack the field and count as 0): classifier-free guidance mixes in the
+unconditional prediction, and such a decoder never learned one (its "unconditional" samples are noise).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 from PIL import Image
 
 from training.api import load_checkpoint
-from visualizer.config import RCDMConfig, config_from_dict
+from visualizer.config import MAX_GUIDANCE, RCDMConfig, config_from_dict
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, to_uint8
@@ -66,6 +70,26 @@ class RCDMPipeline:
     config: RCDMConfig
     step: int
     name: str
+    cond_drop_prob: float = 0.0  # as the checkpoint records it (0 when it does not)
+    quality: dict | None = None  # visualizer.quality's figure, when the run measured one
+
+    @property
+    def guidance_trained(self) -> bool:
+        """Whether the decoder learned an unconditional branch, i.e. whether guidance other than 1 means anything."""
+        return self.cond_drop_prob > 0
+
+    def guidance(self, requested: float | None = None) -> float:
+        """The guidance scale to sample with: ``requested``, else the config's (1 for a decoder without an
+        unconditional branch). Raises ``ValueError`` for a scale the decoder was not trained for."""
+        if requested is None:
+            return self.config.diffusion.guidance_scale if self.guidance_trained else 1.0
+        scale = float(requested)
+        if not self.guidance_trained and scale != 1.0:
+            raise ValueError(f"guidance scale {scale:g} needs a decoder trained with condition dropout; {self.name}'s "
+                             "decoder was not (its checkpoint records cond_drop_prob 0): use 1")
+        if not 0.0 <= scale <= MAX_GUIDANCE:
+            raise ValueError(f"guidance scale {scale:g} is outside [0, {MAX_GUIDANCE:g}]")
+        return scale
 
     @classmethod
     def from_dirs(cls, bundle: str | os.PathLike, decoder: str | os.PathLike, *, device: str = "cpu",
@@ -83,7 +107,8 @@ class RCDMPipeline:
         net.load_state_dict(state["ema"])
         net.to(device).eval().requires_grad_(False)
         diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
-        return cls(encoder, net, diffusion, cfg, int(state["step"]), name or Path(bundle).name)
+        return cls(encoder, net, diffusion, cfg, int(state["step"]), name or Path(bundle).name,
+                   cond_drop_prob=float(state.get("cond_drop_prob") or 0.0), quality=state.get("quality"))
 
     @property
     def image_size(self) -> int:
@@ -100,8 +125,8 @@ class RCDMPipeline:
     def sample_from_features(self, feat: torch.Tensor, *, steps: int | None = None,
                              guidance_scale: float | None = None, sampler: str | None = None,
                              seed: int = 0) -> torch.Tensor:
+        scale = self.guidance(guidance_scale)
         generator = torch.Generator().manual_seed(seed)
         images = self.diffusion.sample(self.decoder, feat.to(self.encoder.device), image_size=self.image_size,
-                                       steps=steps, sampler=sampler, guidance_scale=guidance_scale,
-                                       generator=generator)
+                                       steps=steps, sampler=sampler, guidance_scale=scale, generator=generator)
         return to_uint8(images)

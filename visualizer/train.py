@@ -8,6 +8,11 @@ random ratio for ``cond.mask_prob`` of the images), and train the UNet to denois
 that embedding. Rank 0 keeps an EMA of the weights, logs ``metrics.jsonl``, writes ``samples/step_XXXXXX.png``
 (original | masked | samples) and an atomic ``checkpoint.pt`` that resumes bit-exactly (weights, EMA, optimiser,
 position in the epoch and every rank's RNG streams).
+
+The checkpoint also says what the decoder can be asked for: ``cond_drop_prob``, the smallest condition-dropout
+probability any of its steps trained with (0 for checkpoints written before it was recorded: without an unconditional
+branch, classifier-free guidance has nothing to guide with, so the app fixes guidance at 1), and ``quality``, the
+class consistency measured at the end of the last invocation (:mod:`visualizer.quality`; also in ``metrics.jsonl``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, random_keep, to_uint8
 from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
+from visualizer.quality import class_consistency
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
 __all__ = ["decoder_targets", "train"]
@@ -133,6 +139,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 
     progress = Progress()
+    trained_drop, quality = cfg.diffusion.cond_drop_prob, None  # what the checkpoint will record (module docstring)
     if resume and checkpoint_path.exists():
         state = load_run(checkpoint_path)
         if state["bundle"]["model_id"] != encoder.model_id:
@@ -144,6 +151,13 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         progress = restore_progress(state, steps_per_epoch=steps_per_epoch, info=info,
                                     mask_generator=mask_generator, seed=cfg.run.seed)
         log.info("resumed from %s at step %d", checkpoint_path, progress.step)
+        quality = state.get("quality")
+        if progress.step > 0:
+            trained_drop = min(float(state.get("cond_drop_prob", 0.0)), trained_drop)
+            if trained_drop < cfg.diffusion.cond_drop_prob:
+                log.warning("%s trained %d steps with cond_drop_prob %g: it records %g, so guidance stays off "
+                            "(train in a new --output-dir for a decoder that can guide)", checkpoint_path,
+                            progress.step, trained_drop, trained_drop)
 
     model: nn.Module = decoder
     if info.world_size > 1:
@@ -160,8 +174,8 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                   f"world size {info.world_size}, device {device}, {precision}, conditioning on {encoder.model_id}")
 
     def save() -> None:
-        payload = {"config": cfg.to_dict(), "cond_dim": encoder.dim,
-                   "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
+        payload = {"config": cfg.to_dict(), "cond_dim": encoder.dim, "cond_drop_prob": trained_drop,
+                   "quality": quality, "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
                    "decoder": decoder.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict()}
         save_progress(checkpoint_path, payload, progress, steps_per_epoch=steps_per_epoch, info=info,
                       mask_generator=mask_generator, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
@@ -169,7 +183,9 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     record: dict = {"step": progress.step}  # returned as is when a resumed run has nothing left to do
     batches = batches_from(loader, sampler, progress, cfg.data.batch_size)
     deadline = time.monotonic() + 60 * cfg.optim.max_minutes if cfg.optim.max_minutes else math.inf
+    window_seconds, window_images = 0.0, 0  # step time only (no grids, no checkpoints): images/s in metrics.jsonl
     while progress.step < total:
+        tick = time.perf_counter()
         images, _labels, _skipped = next(batches)
         if cfg.data.hflip:
             flip = torch.rand(images.shape[0]) < 0.5
@@ -195,6 +211,8 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         ema_update(ema, decoder, min(cfg.optim.ema_decay, (1 + step) / (10 + step)), copy_buffers=True)
         progress.advance(steps_per_epoch)
         step = progress.step
+        window_seconds += time.perf_counter() - tick
+        window_images += images.shape[0] * info.world_size
         bar.update(1)
         if step < total and out_of_time(deadline, device, info.world_size):
             total = step  # the end of this invocation: log, sample and save as at max_steps
@@ -204,13 +222,21 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         if is_main and (step % cfg.run.log_every_steps == 0 or step == total):
             record = {"step": step, "epoch": progress.epoch, "loss": loss.item(), **stats, "lr": lr,
                       "grad_norm": float(grad_norm)}
+            speed = {"images_per_s": round(window_images / max(window_seconds, 1e-9), 1), "precision": precision}
+            window_seconds, window_images = 0.0, 0  # not in the returned record: timings differ between runs
             with open(output_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({**record, **speed}) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.4f}")
         sample_every = cfg.run.sample_every_steps
         if is_main and ((sample_every and step % sample_every == 0) or step == total):
             grid = output_dir / "samples" / f"step_{step:06d}.png"
             write_sample_grid(grid, ema, diffusion, encoder, grid_images, cfg)
+        if is_main and step == total:
+            measured = class_consistency(ema, diffusion, encoder, cfg, load_size=load_size, step=step)
+            if measured is not None:
+                quality = measured
+                with open(output_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({"step": step, "quality": quality}) + "\n")
         if step % cfg.run.checkpoint_every_steps == 0 or step == total:
             save()
     bar.close()

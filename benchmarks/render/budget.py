@@ -1,4 +1,4 @@
-"""The pretraining-budget section of docs/results.md (benchmarks/budget_curve.py's JSON) and its plot."""
+"""The pretraining-budget section of docs/results.md (benchmarks/training/budget_curve.py's JSON) and its plot."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,7 +27,7 @@ def _std(evals: dict, key: str, setting: str) -> float | None:
 
 
 def render_budget(result: dict) -> str:
-    """``benchmarks/budget_curve.py``: one pretraining run per wall-clock budget, with the baselines."""
+    """``benchmarks/training/budget_curve.py``: one pretraining run per wall-clock budget, with the baselines."""
     ev, budgets = result["evals"], result["budgets"]
     rows = []
     for minutes in budgets:
@@ -48,7 +48,7 @@ def render_budget(result: dict) -> str:
     load = ", ".join(f"{m:g} min: {result['runs'][budget_bundle(m)]['load_before']:.2f}" for m in budgets)
     lines = [
         "## Accuracy against a wall-clock pretraining budget", "",
-        (f"`python benchmarks/budget_curve.py` on {describe_machine(result['machine'])}: `{result['config']}` pretrained once per "
+        (f"`python -m benchmarks.training.budget_curve` on {describe_machine(result['machine'])}: `{result['config']}` pretrained once per "
          f"budget with `--set optim.budget_minutes=B` (seed {result['seed']}), so each run's schedules end with its "
          "budget; the budget covers the training loop (calibration, steps, checkpoints), not export and "
          "evaluation. Low-shot top-1 (%), mean ± std over the 3 shipped splits with the official protocol (fixed "

@@ -136,7 +136,7 @@ def sections(results: Path) -> list[str]:
     if two.exists():
         report = json.loads(two.read_text())
         lines += ["## Serving speed on two idle cores (issue 15)", "",
-                  (f"`python benchmarks/serve_bench.py --bundle bundles/{Path(report['bundle']).name} "
+                  (f"`python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name} "
                    f"--only {' '.join(report['sections'])} --out benchmarks/results/serve_bench-2core.json`, "
                    "with nothing else running."), ""]
         lines += one_core_section(report)
@@ -144,25 +144,25 @@ def sections(results: Path) -> list[str]:
     if one.exists():
         report = json.loads(one.read_text())
         lines += ["## Serving speed on one core (issue 15)", "",
-                  (f"`taskset -c 1 python benchmarks/serve_bench.py --bundle bundles/{Path(report['bundle']).name} "
+                  (f"`taskset -c 1 python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name} "
                    f"--only {' '.join(report['sections'])} --client-procs 1` (with `OMP_NUM_THREADS=1`)."), ""]
         lines += one_core_section(report)
     faiss = results / "faiss_1m-2core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())
         lines += _faiss_section(report, "### FAISS at a million vectors, two cores (issue 22)",
-                                f"`python benchmarks/faiss_bench.py --kinds {' '.join(report['kinds'])} --corpora "
+                                f"`python -m benchmarks.serving.faiss_bench --kinds {' '.join(report['kinds'])} --corpora "
                                 f"{' '.join(c['corpus'] for c in report['faiss_tuned'])}`, nothing else running.")
     faiss = results / "faiss_1m-1core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())
         lines += _faiss_section(report, "### FAISS at a million vectors, one core",
-                                f"`taskset -c 1 python benchmarks/faiss_bench.py --bundle bundles/"
+                                f"`taskset -c 1 python -m benchmarks.serving.faiss_bench --bundle bundles/"
                                 f"{Path(report['bundle']).name} --kinds {' '.join(report['kinds'])}` "
                                 "(with `OMP_NUM_THREADS=1`).")
     prof = results / "embed_profile.json"
     if prof.exists():
         lines += ["### Where `/embed` spends its CPU", "",
-                  "`taskset -c 1 python benchmarks/embed_profile.py --bundle bundles/bench`.", ""]
+                  "`taskset -c 1 python -m benchmarks.serving.embed_profile --bundle bundles/bench`.", ""]
         lines += profile_section(json.loads(prof.read_text()))
     return lines

@@ -1,4 +1,4 @@
-"""The ViT-S/16 serving section of docs/benchmarks.md (``benchmarks/vits_bench.py``'s JSON)."""
+"""The ViT-S/16 serving section of docs/benchmarks.md (``benchmarks/serving/vits_bench.py``'s JSON)."""
 from __future__ import annotations
 
 from benchmarks.render.text import machine_line, sentence, table

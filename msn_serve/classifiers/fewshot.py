@@ -19,10 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from msn_core.durable import atomic_write
+from msn_core.durable import atomic_write, quarantine, remove_durably
 from msn_core.lowshot import LinearClassifier, center_and_normalize, fit_logistic
-from msn_serve.errors import check_name, conflict, not_found, read_only_replica, too_large, unprocessable
-from msn_serve.indexes.storage import persisting, quarantine, remove_durably
+from msn_serve.errors import (
+    check_name,
+    conflict,
+    not_found,
+    persisting,
+    read_only_replica,
+    too_large,
+    unprocessable,
+)
 
 log = logging.getLogger("msn_serve.classifiers.fewshot")
 

@@ -9,8 +9,8 @@ the raw float32 rows. ``ivfpq`` (only from ``msn-index build``) keeps product-qu
 cannot be recovered: the label loop refuses it with a 422 that says so.
 
 The vectors are kept in the low-shot classifier's space (each row centred and L2-normalised,
-:func:`msn_serve.classifiers.labelloop.as_space`): the classifier normalises its input the same way, so a fit on
-them equals a fit on the raw embeddings (whether the index normalised them or not), and select/suggest/predict_index
+:func:`msn_serve.classifiers.label_strategies.as_space`): the classifier normalises its input the same way, so a fit
+on them equals a fit on the raw embeddings (whether the index normalised them or not), and select/suggest/predict_index
 work on them without converting anything per call. The matrix is built once per index version (``seq``) and kept beside the
 index (FAISS' own storage may change under a later add): one more copy of the vectors, 77 MB at 100k x 192.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import faiss
 import numpy as np
 
-from msn_serve.classifiers.labelloop import as_space
+from msn_serve.classifiers.label_strategies import as_space
 from msn_serve.errors import unprocessable
 from msn_serve.indexes.managed import ManagedIndex
 

@@ -12,14 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from msn_serve.classifiers import labelling
+from msn_serve.classifiers import label_loop
 from msn_serve.classifiers.fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
 from msn_serve.classifiers.fitpool import FitPool
-from msn_serve.config import Settings
+from msn_serve.config import Settings, check_results
 from msn_serve.embedding.service import EmbeddingService, Inputs
 from msn_serve.errors import read_only_replica, unprocessable
 from msn_serve.indexes.service import IndexService
-from msn_serve.limits import check_results
 from msn_serve.metrics import Metrics
 from msn_serve.work import WorkPool
 
@@ -44,7 +43,7 @@ class ClassifierService:
         self.fits = FitPool(workers=settings.fit_workers, max_queued=settings.max_queued_fits,
                             timeout_s=settings.fit_timeout_s, threads=settings.fit_threads,
                             on_change=metrics.fits.set)
-        self.predictions = labelling.PredictionCache()
+        self.predictions = label_loop.PredictionCache()
 
     def close(self) -> None:
         self.fits.close()
@@ -75,7 +74,7 @@ class ClassifierService:
                 raise unprocessable("send either index + ids or images, not both")
             if len(labels) != len(ids):
                 raise unprocessable(f"{len(labels)} labels for {len(ids)} ids")
-            x = await self.work.run(labelling.fit_vectors, self.indexes.store, index, ids)
+            x = await self.work.run(label_loop.fit_vectors, self.indexes.store, index, ids)
         elif len(labels) != inputs.count:
             raise unprocessable(f"{len(labels)} labels for {inputs.count} images/embeddings")
         else:
@@ -97,11 +96,11 @@ class ClassifierService:
         top, prob = await self.work.run(clf.top_k, x, k)
         return Predictions(classes=clf.classes, top=top, probability=prob)
 
-    # ---- the label loop (msn_serve.classifiers.labelling) ------------------------------------------------------
+    # ---- the label loop (msn_serve.classifiers.label_loop) -----------------------------------------------------
     async def select(self, index: str, *, n: int, strategy: str, seed: int,
                      exclude_ids: np.ndarray | None) -> dict[str, Any]:
         """What to label first: ``n`` diverse, representative ids of ``index``."""
-        return await self.work.run(lambda: labelling.select(
+        return await self.work.run(lambda: label_loop.select(
             self.indexes.store, index, n=n, strategy=strategy, seed=seed, exclude_ids=exclude_ids,
             candidates=self.settings.select_candidates))
 
@@ -109,14 +108,14 @@ class ClassifierService:
                       exclude_ids: np.ndarray | None) -> dict[str, Any]:
         """The next ids of ``index`` to label for classifier ``name``."""
         clf = self.get(name)
-        return await self.work.run(lambda: labelling.suggest(
+        return await self.work.run(lambda: label_loop.suggest(
             self.indexes.store, clf, index=index, n=n, strategy=strategy, seed=seed, exclude_ids=exclude_ids,
             candidates=self.settings.select_candidates))
 
     async def predict_index(self, name: str, *, index: str, offset: int, limit: int | None, k: int,
-                            order: str) -> labelling.IndexPage:
+                            order: str) -> label_loop.IndexPage:
         """One page of classifier ``name``'s predictions over the items of ``index``."""
         clf, s = self.get(name), self.settings
-        return await self.work.run(lambda: labelling.predict_index(
+        return await self.work.run(lambda: label_loop.predict_index(
             self.indexes.store, clf, self.predictions, index=index, offset=offset, limit=limit, k=k, order=order,
             max_page=s.max_page, max_results=s.max_results_per_request))

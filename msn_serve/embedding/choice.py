@@ -33,8 +33,8 @@ import numpy as np
 from msn_core.bundle import BundleInfo
 from msn_core.durable import atomic_write_json
 from msn_core.hardware import CpuInfo, cpu_info
-from msn_serve.embedding.engine import Engine, InferenceEngine
-from msn_serve.embedding.openvino_engine import OpenVinoEngine, openvino_capabilities, openvino_status
+from msn_core.inference import openvino_capabilities, openvino_status
+from msn_serve.embedding.engine import Engine, InferenceEngine, OpenVinoEngine
 
 log = logging.getLogger("msn_serve.embedding.choice")
 
@@ -160,9 +160,9 @@ def images_per_second(engines: dict[str, InferenceEngine], pixels: np.ndarray, k
     """Median images/s of each engine over ``rounds`` interleaved rounds of >= ``seconds / rounds`` each.
 
     Interleaving makes a machine that slows down midway (another process, a clock change) slow every candidate
-    alike: timed one after another, candidates within 15 % of each other swapped places between start-ups on a
-    2-core AVX2 EPYC. Each engine first runs once at this shape (OpenVINO's first runs at a shape were measured
-    slower than its steady state: 34 vs 51 images/s for ViT-S/16 int8).
+    alike: timed one after another, close candidates swapped places between start-ups on a 2-core AVX2 EPYC.
+    Each engine first runs once at this shape (OpenVINO's first runs at a shape are markedly slower than its
+    steady state).
     """
     for engine in engines.values():
         engine.run(pixels, keep)

@@ -1,12 +1,13 @@
-"""Image decoding and the bundle's evaluation transform, in Pillow + numpy (no torch).
+"""Image decoding for the service: from uploaded bytes to the bundle's input, safely.
 
-Order of operations follows ``msn.json``: EXIF orientation, conversion to RGB (or L), resize of the shorter side
-to ``resize`` with the bundle's interpolation, centre crop to ``crop``, scale to [0, 1], normalise by mean/std.
-Pixel limits (per image, and per request through a shared :class:`PixelBudget`) are checked from the header
-*before* any decoding, so a 20000x20000 bomb costs a few bytes of I/O. A large image is shrunk first, by an
-integer factor that keeps its shorter side at least twice ``resize`` (Pillow's ``reducing_gap=2``): JPEGs in the
-decoder (``draft``, DCT scaling), others by box-averaging (``reduce``; numpy for 16-bit), and only then converted,
-so converting 16-bit or float pixels costs in proportion to the output, not to the upload.
+The transform itself (EXIF-upright image -> RGB or L -> shorter side to ``resize`` -> centre crop -> normalise) is
+:mod:`msn_core.preprocessing`, the one definition training evaluates with too. What this module adds is what a
+hostile upload needs: pixel limits (per image, and per request through a shared :class:`PixelBudget`) are checked
+from the header *before* any decoding, so a 20000x20000 bomb costs a few bytes of I/O. A large image is shrunk
+first, by an integer factor that keeps its shorter side at least twice ``resize`` (Pillow's ``reducing_gap=2``):
+JPEGs in the decoder (``draft``, DCT scaling), others by box-averaging (``reduce``; numpy for 16-bit), and only then
+converted, so converting 16-bit or float pixels costs in proportion to the output, not to the upload. Every failure
+is a 4xx :class:`~msn_serve.errors.ApiError` naming the image.
 """
 from __future__ import annotations
 
@@ -19,20 +20,11 @@ import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from msn_core.bundle import Preprocessing
+from msn_core.preprocessing import normalise, resize_crop, to_mode
 from msn_serve.errors import ApiError, too_large, unprocessable
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated upload is an error, not a grey half-image
 Image.MAX_IMAGE_PIXELS = None  # we enforce our own (configurable) limit before decoding
-
-_RESAMPLE = {
-    "bicubic": Image.Resampling.BICUBIC,
-    "bilinear": Image.Resampling.BILINEAR,
-    "nearest": Image.Resampling.NEAREST,
-    "lanczos": Image.Resampling.LANCZOS,
-    "box": Image.Resampling.BOX,
-    "hamming": Image.Resampling.HAMMING,
-}
-
 
 _TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
               5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
@@ -113,58 +105,6 @@ def shrink(im: Image.Image, short_side: int) -> Image.Image:
     return im.reduce(factor)
 
 
-def to_mode(im: Image.Image, channels: int) -> Image.Image:
-    """Convert any Pillow mode to RGB (or L) with correct value scaling for 16-bit and float images."""
-    target = "RGB" if channels == 3 else "L"
-    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        arr = np.asarray(im, dtype=np.float64)
-        if im.mode.startswith("I;16"):
-            arr = arr / 257.0
-        elif im.mode == "I":
-            # 16-bit PNGs may decode to mode I (0..65535); wider integer ranges are squeezed by their maximum.
-            arr = arr * (255.0 / max(65535.0, float(arr.max(initial=0))))
-        else:  # float images: assume [0, 1] if they look like it
-            arr = arr * 255.0 if arr.max(initial=0) <= 1.0 else arr
-        im = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), mode="L")
-    if im.mode == "P" and "transparency" in im.info:
-        im = im.convert("RGBA")  # palette transparency must go through RGBA to convert cleanly
-    if im.mode != target:
-        im = im.convert(target)  # drops alpha like the training loaders' ``convert("RGB")``
-    return im
-
-
-def resize_crop(im: Image.Image, pre: Preprocessing) -> Image.Image:
-    """Shorter side to ``resize`` (aspect kept), then the central ``crop`` x ``crop`` window."""
-    resample = _RESAMPLE.get(pre.interpolation.lower())
-    if resample is None:
-        raise ValueError(f"unsupported interpolation {pre.interpolation!r}")
-    w, h = im.size
-    # Same arithmetic as training.views.eval_transform: rounded new size, floor-centred crop offset.
-    scale = pre.resize / min(w, h)
-    nw, nh = max(pre.resize, round(w * scale)), max(pre.resize, round(h * scale))
-    top, left = (nh - pre.crop) // 2, (nw - pre.crop) // 2
-    if nw * nh > 16 * pre.crop * pre.crop:
-        # Extreme aspect ratios (say 1x40000) would resize to a huge strip only to throw most of it away.
-        # Pillow's ``box`` resamples just the crop window, still reading neighbours outside it for filter
-        # support, so the result equals resize-then-crop up to float rounding.
-        sx, sy = nw / w, nh / h
-        box = (left / sx, top / sy, (left + pre.crop) / sx, (top + pre.crop) / sy)
-        return im.resize((pre.crop, pre.crop), resample=resample, box=box)
-    if (nw, nh) != (w, h):
-        im = im.resize((nw, nh), resample=resample)
-    return im.crop((left, top, left + pre.crop, top + pre.crop))
-
-
-def normalise(im: Image.Image, pre: Preprocessing) -> np.ndarray:
-    """uint8 HWC image -> float32 CHW array, ``(x/255 - mean) / std`` per channel."""
-    arr = np.asarray(im, dtype=np.float32) / 255.0
-    if arr.ndim == 2:
-        arr = arr[:, :, None]
-    mean = np.asarray(pre.mean, dtype=np.float32)
-    std = np.asarray(pre.std, dtype=np.float32)
-    return np.ascontiguousarray(((arr - mean) / std).transpose(2, 0, 1), dtype=np.float32)
-
-
 def preprocess_bytes(data: bytes, pre: Preprocessing, *, max_pixels: int, what: str = "image",
                      budget: PixelBudget | None = None) -> np.ndarray:
     """The full pipeline for one uploaded file; raises 4xx :class:`ApiError` on bad input."""
@@ -174,11 +114,4 @@ def preprocess_bytes(data: bytes, pre: Preprocessing, *, max_pixels: int, what: 
         im = resize_crop(im, pre)
     except (OSError, ValueError) as e:
         raise unprocessable(f"{what}: cannot convert image ({e})") from None
-    return normalise(im, pre)
-
-
-def preprocess_uint8(chw: np.ndarray, pre: Preprocessing) -> np.ndarray:
-    """Same transform for an in-memory uint8 (C,H,W) array (used by tests and benchmarks)."""
-    hwc = np.ascontiguousarray(np.asarray(chw, dtype=np.uint8).transpose(1, 2, 0))
-    im = Image.fromarray(hwc[:, :, 0] if hwc.shape[2] == 1 else hwc)
-    return normalise(resize_crop(to_mode(im, pre.channels), pre), pre)
+    return normalise(im, pre.mean, pre.std)

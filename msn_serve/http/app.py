@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from msn_serve.config import Settings
 from msn_serve.errors import ApiError, storage_error
 from msn_serve.http import oip, routes
-from msn_serve.http.jsonio import StrictJSONResponse
+from msn_serve.http.responses import StrictJSONResponse
 from msn_serve.metrics import MetricsMiddleware
 from msn_serve.runtime import Runtime
 

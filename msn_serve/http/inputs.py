@@ -17,8 +17,8 @@ from starlette.requests import Request
 
 from msn_serve.config import Settings
 from msn_serve.errors import ApiError, too_large, unprocessable
-from msn_serve.http.jsonio import loads
 from msn_serve.http.schemas import RequestModel
+from msn_serve.jsontext import loads
 
 IMAGE_FIELDS = ("image", "images")
 M = TypeVar("M", bound=RequestModel)

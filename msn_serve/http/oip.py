@@ -19,10 +19,9 @@ from fastapi import APIRouter, Request, Response
 from msn_core.bundle import BundleInfo
 from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
 from msn_serve.errors import ApiError, bad_request, not_found
-from msn_serve.http.jsonio import loads
 from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
 from msn_serve.http.schemas import inline_schema
-from msn_serve.jsontext import dumps
+from msn_serve.jsontext import dumps, loads
 from msn_serve.runtime import Runtime
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])

@@ -16,8 +16,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from msn_serve.errors import ApiError, bad_request, too_large
-from msn_serve.http.jsonio import loads
 from msn_serve.http.schemas import validation_error
+from msn_serve.jsontext import loads
 
 HEADER = "Inference-Header-Content-Length"
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32,

@@ -1,19 +1,29 @@
 """Bodies of the responses whose size a client controls (search hits, top-k predictions, pages of predictions over
-an index), written with a size cap from the plain results the services give back.
+an index), written with a size cap from the plain results the services give back, and the strict JSON response class.
 
-The number of results is checked by the services before any work (:func:`msn_serve.limits.check_results`), and the
-body is then written hit by hit into a :class:`~msn_serve.http.jsonio.BoundedJson`, which stops at ``max_response_mb``: with
-metadata of up to ``max_metadata_bytes`` per hit, the count alone cannot bound the bytes.
+The number of results is checked by the services before any work (:func:`msn_serve.config.check_results`), and the
+body is then written hit by hit into a :class:`~msn_serve.jsontext.BoundedJson`, which stops at ``max_response_mb``:
+with metadata of up to ``max_metadata_bytes`` per hit, the count alone cannot bound the bytes. Every other response
+is a :class:`StrictJSONResponse`.
 """
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 import numpy as np
+from starlette.responses import JSONResponse
 
-from msn_serve.classifiers.labelling import IndexPage
-from msn_serve.http.jsonio import BoundedJson
-from msn_serve.jsontext import dumps
+from msn_serve.classifiers.label_loop import IndexPage
+from msn_serve.jsontext import BoundedJson, dumps
+
+
+class StrictJSONResponse(JSONResponse):
+    """FastAPI's JSON response, but never ``NaN``/``Infinity`` (a non-finite number is a bug, not output)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def number(x: float) -> str:

@@ -16,9 +16,8 @@ from fastapi.responses import Response
 from msn_serve.errors import NAME_RE, check_name
 from msn_serve.http.embed_response import NPY, RAW, embed_response, negotiate
 from msn_serve.http.inputs import M, read_request
-from msn_serve.http.jsonio import StrictJSONResponse
 from msn_serve.http.label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
-from msn_serve.http.responses import index_page_body, predictions_body, search_body
+from msn_serve.http.responses import StrictJSONResponse, index_page_body, predictions_body, search_body
 from msn_serve.http.schemas import (
     EmbedRequest,
     FitRequest,

@@ -43,8 +43,8 @@ from msn_serve.http.fields import (
     metadata,
     settings_of,
 )
-from msn_serve.http.jsonio import loads
 from msn_serve.indexes.metadata import Texts
+from msn_serve.jsontext import loads
 
 
 class RequestModel(BaseModel):

@@ -26,11 +26,10 @@ from typing import Any
 import faiss
 import numpy as np
 
-from msn_core.durable import fsync_path
+from msn_core.durable import fsync_path, lock_data_dir, remove_durably
 from msn_serve.errors import NAME_RE
 from msn_serve.indexes.config import IndexConfig, search_params
 from msn_serve.indexes.files import write_index_dir
-from msn_serve.indexes.storage import lock_data_dir, remove_durably
 from msn_serve.indexes.tuning import GB, Plan, choose, plans, select
 
 
@@ -162,7 +161,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if data_dir is not None:
         data_dir.mkdir(parents=True, exist_ok=True)
         try:  # the writer holds this lock: it would neither see the new index nor expect its files to change
-            lock = lock_data_dir(data_dir)
+            lock = lock_data_dir(data_dir, owner="msn-serve")
         except OSError as e:
             raise BuildError(f"{e}: stop the writer first, then start it again to load the index") from None
     try:

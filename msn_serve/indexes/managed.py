@@ -7,7 +7,7 @@ atomically) and ``wal.log`` (add/remove records, fsync'd before a request is ack
 snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
 Adding an id that is already there replaces its vector and metadata (so a retried add never duplicates an id); on
 ``hnsw`` only a re-add that changes nothing is accepted. A write that fails on disk changes nothing (see
-:class:`~msn_serve.indexes.storage.WriteAheadLog`): the client gets a 507/503 and may retry.
+:class:`~msn_serve.indexes.wal.WriteAheadLog`): the client gets a 507/503 and may retry.
 ``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it can neither delete nor replace) comes from ``msn-index build``,
 which writes the mmap-able form of :mod:`msn_serve.indexes.files` instead of ``snapshot.npz``; the writer loads either,
 and read-only replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune
@@ -31,8 +31,8 @@ from typing import Any
 import faiss
 import numpy as np
 
-from msn_core.durable import atomic_write, fsync_path
-from msn_serve.errors import conflict, not_found, read_only_replica, too_large, unprocessable
+from msn_core.durable import atomic_write, fsync_path, quarantine, remove_durably
+from msn_serve.errors import conflict, not_found, persisting, read_only_replica, too_large, unprocessable
 from msn_serve.indexes import auto as index_auto
 from msn_serve.indexes import gpu as index_gpu
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
@@ -46,7 +46,7 @@ from msn_serve.indexes.files import (
     write_index_dir,
 )
 from msn_serve.indexes.metadata import Metadata, Texts, to_texts
-from msn_serve.indexes.storage import WriteAheadLog, persisting, quarantine, remove_durably
+from msn_serve.indexes.wal import WriteAheadLog
 
 log = logging.getLogger("msn_serve.indexes")
 MAX_ID = 2**63 - 1

@@ -12,13 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from msn_serve.config import Settings
+from msn_serve.config import Settings, check_results
 from msn_serve.embedding.service import EmbeddingService, Inputs
 from msn_serve.errors import read_only_replica, too_large
 from msn_serve.indexes.managed import ManagedIndex
 from msn_serve.indexes.metadata import Texts
 from msn_serve.indexes.store import IndexStore
-from msn_serve.limits import check_results
 from msn_serve.work import WorkPool
 
 

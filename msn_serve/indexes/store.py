@@ -11,11 +11,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from msn_serve.errors import conflict, not_found, read_only_replica
+from msn_core.durable import quarantine, remove_durably
+from msn_serve.errors import conflict, not_found, persisting, read_only_replica
 from msn_serve.indexes import gpu as index_gpu
 from msn_serve.indexes.config import config_from_spec
 from msn_serve.indexes.managed import ManagedIndex
-from msn_serve.indexes.storage import persisting, quarantine, remove_durably
 
 log = logging.getLogger("msn_serve.indexes")
 

@@ -1,15 +1,25 @@
-"""msn_core.durable (atomic replace, no leftovers, readable permissions) and msn_core.lowshot (the one fit)."""
+"""msn_core.durable (atomic replace, no leftovers, readable permissions, durable removal, quarantine, the data
+directory's lock) and msn_core.lowshot (the one fit)."""
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from msn_core.durable import atomic_write, atomic_write_json
+from msn_core.durable import (
+    atomic_write,
+    atomic_write_json,
+    clean_temp_files,
+    lock_data_dir,
+    quarantine,
+    remove_durably,
+)
 from msn_core.lowshot import DEFAULT_LAMBD, LinearClassifier, center_and_normalize, fit_logistic
 
 
@@ -32,6 +42,44 @@ def test_atomic_write_replaces_and_leaves_nothing_behind(tmp_path: Path):
     assert target.read_bytes() == b"two" and sorted(p.name for p in target.parent.iterdir()) == ["state.bin"]
     atomic_write_json(tmp_path / "x.json", {"a": [1, 2]})
     assert (tmp_path / "x.json").read_text() == '{\n "a": [\n  1,\n  2\n ]\n}\n'
+
+
+def test_removal_quarantine_and_leftover_cleaning(tmp_path: Path):
+    data = tmp_path / "data"
+    (data / "indexes" / "a").mkdir(parents=True)
+    (data / "indexes" / "a" / "wal.bin").write_bytes(b"x")
+    (data / "one.npz").write_bytes(b"y")
+    remove_durably(data / "indexes" / "a")
+    remove_durably(data / "one.npz")
+    remove_durably(data / "never-there")  # a missing file is already removed
+    assert sorted(p.name for p in data.rglob("*")) == ["indexes"]
+
+    (data / "bad.npz").write_bytes(b"not a classifier")
+    moved = quarantine(data, data / "bad.npz", "does not parse")
+    assert not (data / "bad.npz").exists() and moved.parent == data / "quarantine"
+    assert moved.read_bytes() == b"not a classifier" and moved.name.endswith("-bad.npz")
+
+    (data / ".x.npz.1.abcd.tmp").write_bytes(b"half")  # an interrupted atomic write
+    (data / ".gone.deleted.123").mkdir()  # an interrupted removal
+    (data / "quarantine" / ".kept.tmp").write_bytes(b"evidence")
+    clean_temp_files(data)
+    assert sorted(p.relative_to(data).as_posix() for p in data.rglob("*")) == [
+        "indexes", "quarantine", "quarantine/.kept.tmp", moved.relative_to(data).as_posix()]
+
+
+def test_the_data_directory_lock_admits_one_process(tmp_path: Path):
+    fd = lock_data_dir(tmp_path, owner="msn-serve")
+    try:
+        assert (tmp_path / ".lock").read_text() == str(os.getpid())
+        code = ("import sys; from pathlib import Path; from msn_core.durable import lock_data_dir\n"
+                "try:\n    lock_data_dir(Path(sys.argv[1]), owner='msn-serve')\n"
+                "except OSError as e:\n    print(e)")
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                           check=True, cwd=Path(__file__).resolve().parents[2])
+        assert r.stdout.strip() == f"data directory {tmp_path} is in use by another msn-serve process"
+    finally:
+        os.close(fd)  # the kernel drops the lock with the descriptor (or the process)
+    os.close(lock_data_dir(tmp_path, owner="msn-serve"))
 
 
 def _blobs(n_per: int, classes: int, dim: int = 16, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,10 +1,10 @@
-"""benchmarks/label_efficiency.py on tiny synthetic data: the loop, its targets and its report (no dataset needed)."""
+"""benchmarks/evaluation/label_efficiency.py on tiny synthetic data: the loop, its targets and its report (no dataset needed)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks.label_efficiency import Loop, summarise, targets
+from benchmarks.evaluation.label_efficiency import Loop, summarise, targets
 from benchmarks.render.label import plot, render_label_efficiency
 
 

@@ -1,22 +1,16 @@
-import ast
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "paper_tables.py"
 
 
 @pytest.fixture(scope="module")
 def tables():
-    spec = importlib.util.spec_from_file_location("paper_tables", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks.evaluation import paper_tables
+
+    return paper_tables
 
 
 def test_dry_run_plans_every_ablation_with_one_budget(tables, tmp_path, capsys):
@@ -64,8 +58,8 @@ def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
 
 
 def test_budget_curve_plans_one_run_per_budget_and_renders_its_table(tmp_path, capsys):
-    from benchmarks import budget_curve
     from benchmarks.render.results_page import render
+    from benchmarks.training import budget_curve
 
     assert budget_curve.main(["--dry-run", "--budgets", "10", "30", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -92,7 +86,7 @@ def test_budget_curve_plans_one_run_per_budget_and_renders_its_table(tmp_path, c
 def test_a_later_budget_merges_into_the_curve_of_the_same_machine_only():
     import pytest
 
-    from benchmarks.budget_curve import merge
+    from benchmarks.training.budget_curve import merge
 
     def curve(budget: int, cpu: str) -> dict:
         name = f"budget-{budget}min"
@@ -133,42 +127,17 @@ def test_budget_verdict_compares_with_pixels_and_the_targets():
 
 def test_the_renderer_reproduces_the_committed_docs_from_the_stored_json(capsys):
     """docs/*.md are generated: rendering the stored JSON again changes nothing (edit the JSON or the renderer)."""
-    from benchmarks import render_docs
+    from benchmarks.render import docs as render_docs
 
     assert render_docs.main(["--check"]) == 0, capsys.readouterr().out
 
 
-def _benchmark_imports() -> dict[str, set[str]]:
-    """``{module: benchmarks modules it imports}`` for every file under benchmarks/, lazy imports included."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted((REPO / "benchmarks").rglob("*.py")):
-        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        found = graph.setdefault(module, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks"):
-                found.add(node.module)  # and `from package import module` names the module itself
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("benchmarks"))
-    return {module: {i for i in imports if i in graph} for module, imports in graph.items()}
+def test_rendering_never_imports_measuring_code():
+    """The renderer runs without torch or a server: it reads JSON and the few names a script and it share.
+    (Import cycles anywhere under benchmarks/ are tests/test_import_rules.py's.)"""
+    from tests.import_graph import import_graph, inside, violations
 
-
-def test_benchmark_imports_form_a_dag_and_rendering_never_imports_measuring():
-    graph = _benchmark_imports()
-    shared = {"benchmarks.common", "benchmarks.protocol", "benchmarks.recipe_trials"}
-    for module in (m for m in graph if m.startswith("benchmarks.render") or m == "benchmarks.render_docs"):
-        bad = {i for i in graph[module] if not i.startswith("benchmarks.render") and i not in shared}
-        assert not bad, f"{module} imports measuring code {bad}"
-    state: dict[str, str] = {}
-
-    def visit(module: str, path: list[str]) -> None:
-        if state.get(module) == "done":
-            return
-        assert state.get(module) != "open", "import cycle: " + " -> ".join([*path, module])
-        state[module] = "open"
-        for dep in graph.get(module, ()):
-            visit(dep, [*path, module])
-        state[module] = "done"
-
-    for module in graph:
-        visit(module, [])
+    shared = {"benchmarks", "benchmarks.common", "benchmarks.protocol", "benchmarks.training.recipe_trials"}
+    bad = violations(import_graph(REPO, ("benchmarks",)), lambda a: inside(a, "benchmarks.render"),
+                     lambda b: not inside(b, "benchmarks.render") and b not in shared)
+    assert not bad, "benchmarks/render imports measuring code:\n" + "\n".join(bad)

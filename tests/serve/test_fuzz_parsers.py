@@ -19,9 +19,9 @@ from msn_core.masks import MaskError, resolve_masks
 from msn_serve.config import Settings
 from msn_serve.embedding.preprocess import PixelBudget, preprocess_bytes
 from msn_serve.errors import ApiError
-from msn_serve.http.jsonio import loads
 from msn_serve.http.oip_tensors import parse_request, split_body, tensors
 from msn_serve.http.schemas import RequestModel
+from msn_serve.jsontext import loads
 
 SETTINGS = Settings(bundle="/nonexistent", max_vectors_per_request=50, max_queries_per_search=20, max_k=100,
                     max_fit_samples=50, max_metadata_bytes=2000)

@@ -1,7 +1,7 @@
 """The index tuner shared by msn-index build and auto indexes, auto re-tuning as an index grows, GPU placement.
 
 Real FAISS on small clustered data; speeds are compared only with each other inside one run (the figures at a
-million vectors belong to benchmarks/serve_bench.py).
+million vectors belong to benchmarks/serving/serve_bench.py).
 """
 from __future__ import annotations
 

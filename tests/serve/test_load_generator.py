@@ -1,4 +1,4 @@
-"""The benchmarks' HTTP load generator (``benchmarks/http_load.py``) against a real ``msn-serve``: every timed
+"""The benchmarks' HTTP load generator (``benchmarks/serving/http_load.py``) against a real ``msn-serve``: every timed
 request is answered and counted once, and the timed part starts only after every client's warm-up (the barrier
 across client processes). Timings are not asserted: they belong to the benchmarks."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from serve_helpers import encode, free_port, random_image
 
-from benchmarks import http_load
+from benchmarks.serving import http_load
 
 
 def test_load_generator_counts_each_timed_request_once(server):

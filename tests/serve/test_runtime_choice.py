@@ -24,9 +24,9 @@ from serve_helpers import Server, encode, random_image
 
 from msn_core.bundle import load_bundle_info
 from msn_core.hardware import cpu_info
+from msn_core.inference import openvino_capabilities
 from msn_serve.embedding.choice import CHOICE_FILE, Candidate, Request, choose_engine, plan, probe_inputs
-from msn_serve.embedding.engine import Engine
-from msn_serve.embedding.openvino_engine import OpenVinoEngine, openvino_capabilities
+from msn_serve.embedding.engine import Engine, OpenVinoEngine
 
 OPENVINO = importlib.util.find_spec("openvino") is not None  # found, not imported (see above)
 needs_openvino = pytest.mark.skipif(not OPENVINO, reason="openvino is not installed")

@@ -10,11 +10,12 @@ from PIL import Image
 from serve_helpers import PREPROCESSING, encode, random_image
 
 from msn_core.bundle import load_bundle_info
+from msn_core.preprocessing import preprocess_uint8, resize_crop
 from msn_serve.classifiers.fewshot import ClassifierStore, fit
-from msn_serve.embedding.preprocess import preprocess_bytes, preprocess_uint8, resize_crop
+from msn_serve.embedding.preprocess import preprocess_bytes
 from msn_serve.errors import ApiError
-from msn_serve.indexes.storage import WriteAheadLog
 from msn_serve.indexes.store import IndexStore
+from msn_serve.indexes.wal import WriteAheadLog
 
 
 # ---- preprocessing -----------------------------------------------------------------------------------------------
@@ -176,14 +177,15 @@ def test_fp16_variant_for_cuda_is_accurate_and_cuda_falls_back_to_cpu(bundle_dir
     needs onnxruntime-gpu and a GPU."""
     import onnxruntime as ort
 
+    from msn_core.inference import OrtGraph
     from msn_serve.embedding.engine import Engine, _fp16_variant
 
     info = load_bundle_info(bundle_dir)
     path = _fp16_variant(bundle_dir / "model.onnx", tmp_path)
     assert path.name == "model.fp16.onnx"
     eng = Engine(info, intra_op_threads=1)
-    eng.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    assert eng._fp16_close_enough(ort.SessionOptions())
+    eng.graph = OrtGraph(path, intra_op_threads=1)
+    assert eng._fp16_close_enough()
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         fallback = Engine(info, device="cuda", intra_op_threads=1, cache_dir=tmp_path)
         assert fallback.device == "cpu"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, load_config
-from training.run.budget import plan_budget, steps_for_budget
+from training.run.budget import BudgetReplanner, plan_budget, steps_for_budget
+from training.run.length import RunLength, RunPlan
+from training.run.schedules import ReplannedSchedules, Schedules
 
 from .test_pretrain import _args, _env
 
@@ -94,8 +99,8 @@ def test_run_length_is_decided_once_from_checkpoint_step_count_or_epochs():
 
     def length(overrides, stored=None):
         cfg = load_config(None, ["data.source=synthetic", "optim.epochs=10", "optim.warmup_epochs=2", *overrides])
-        return decide_run_length(SimpleNamespace(cfg=cfg, steps_per_epoch=5), stored_total_steps=stored,
-                                 started_at=0.0), cfg
+        entries = None if stored is None else {"total_steps": stored, "run_length": None}
+        return decide_run_length(SimpleNamespace(cfg=cfg, steps_per_epoch=5), stored=entries, started_at=0.0), cfg
 
     assert length([])[0] == RunLength(50, 10, 50, "optim.epochs")  # official: warm-up in epochs
     assert length(["optim.total_steps=100"])[0] == RunLength(100, 20, 100, "optim.total_steps")  # same fraction
@@ -106,3 +111,149 @@ def test_run_length_is_decided_once_from_checkpoint_step_count_or_epochs():
     schedules = build_schedules(cfg, resumed)
     assert (schedules.total_steps, schedules.warmup_steps) == (80, 16)
     assert schedules.at(15).lr == pytest.approx(cfg.optim.lr) and schedules.at(0).ema_momentum == cfg.optim.ema_start
+
+
+# ------------------------------------------------------------------------------------- re-planning during the run
+
+def _base(total: int, warmup: int) -> Schedules:
+    return Schedules(total_steps=total, warmup_steps=warmup, start_lr=2e-4, ref_lr=1e-3, final_lr=1e-6,
+                     ref_weight_decay=0.04, final_weight_decay=0.4, ema_start=0.99, ema_end=1.0, horizon_scale=1.0)
+
+
+def test_replanned_schedules_stretch_continuously_and_end_with_the_new_total():
+    base = _base(1000, 100)
+    assert [ReplannedSchedules(base).at(i) for i in range(0, 1000, 37)] == [base.at(i) for i in range(0, 1000, 37)]
+    for new_total in (700, 1400):
+        s = ReplannedSchedules(base).replan(400, 1000).replan(500, new_total)  # a no-op re-plan, then a real one
+        assert s.total_steps == new_total and len(s.stretches) == 1
+        assert [s.at(i) for i in range(500)] == [base.at(i) for i in range(500)]  # the past is untouched
+        lrs = [s.at(i).lr for i in range(new_total)]
+        assert max(abs(a - b) for a, b in itertools.pairwise(lrs)) < 2e-5  # no jump at the re-plan
+        assert lrs[-1] == pytest.approx(base.lr(999), rel=1e-6)  # the cosine ends on the new last step
+        assert s.at(new_total - 1).ema_momentum == pytest.approx(base.ema_momentum(999), abs=1e-9)
+    # A re-plan inside warm-up keeps warm-up's steps and stretches only what follows it.
+    s = ReplannedSchedules(base).replan(50, 2000)
+    assert [s.at(i).lr for i in range(101)] == [base.at(i).lr for i in range(101)]
+    assert s.at(1999).lr == pytest.approx(base.lr(999), rel=1e-6)
+    assert ReplannedSchedules(base).replan(300, 300).total_steps == 300  # budget spent: stop here
+    with pytest.raises(ValueError):
+        ReplannedSchedules(base, ((500, 400),))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_loop(plan: RunPlan, step_seconds, clock) -> list[float]:
+    """The training loop's use of a plan, with a step that only advances ``clock``; returns the lrs used."""
+    step, lrs = 0, []
+    plan.start(step)
+    while step < plan.length.stop_at:
+        lrs.append(plan.schedules.at(step).lr)
+        step_seconds(step)
+        step += 1
+        plan.after_step(step)
+    return lrs
+
+
+def _budget_plan(budget: float, planned_total: int, clock, checkpoint_every: int = 1) -> RunPlan:
+    first = RunLength(planned_total, planned_total // 10, planned_total, "optim.budget_minutes")
+    replanner = BudgetReplanner.for_plan(budget, clock(), planned_total, min_window_steps=checkpoint_every,
+                                         clock=clock)
+    return RunPlan(first, ReplannedSchedules(_base(planned_total, planned_total // 10)), None, replanner)
+
+
+@pytest.mark.parametrize("name,seconds", [
+    ("faster after calibration", lambda i: 0.09),  # planned at 0.1 s/step: would end at 90 %
+    ("slower: decoding sets the pace", lambda i: 0.119),  # would end at 119 %
+    ("doubles halfway", lambda i: 0.1 if i < 3000 else 0.2),
+    ("checkpoint every 100 steps", lambda i: 0.08 + (2.0 if i % 100 == 99 else 0.0)),
+])
+def test_budget_run_ends_within_three_percent_however_the_step_time_drifts(name, seconds):
+    clock = FakeClock()
+    plan = _budget_plan(600.0, 6000, clock, checkpoint_every=100)  # calibration said 0.1 s/step
+
+    def step(i: int) -> None:
+        clock.now += seconds(i)
+
+    lrs = _run_loop(plan, step, clock)
+    assert clock.now == pytest.approx(600.0, rel=0.03), name
+    assert plan.schedules.replans and plan.length.total_steps == len(lrs)
+    assert lrs[-1] == pytest.approx(1e-6, rel=1e-3, abs=1e-8)  # every schedule still ends with the run
+    assert max(abs(a - b) for a, b in itertools.pairwise(lrs)) < 1e-5
+    assert "re-plans" in plan.summary()
+
+
+def test_budget_plan_that_was_right_is_left_alone():
+    clock = FakeClock()
+    plan = _budget_plan(60.0, 600, clock)
+
+    def step(i: int) -> None:
+        clock.now += 0.1 * (1.004 if i % 2 else 0.996)  # noise well inside the 1 % threshold
+
+    _run_loop(plan, step, clock)
+    assert plan.schedules.replans == () and plan.length.total_steps == 600
+
+
+def test_sleeping_step_whose_duration_changes_ends_on_time():
+    """The same on the wall clock: a step that sleeps 4 ms, then 9 ms; the plan assumed 5 ms for a 3 s budget."""
+    started = time.monotonic()
+    plan = _budget_plan(3.0, 600, time.monotonic)
+    _run_loop(plan, lambda i: time.sleep(0.004 if time.monotonic() - started < 1.5 else 0.009), time.monotonic)
+    elapsed = time.monotonic() - started
+    assert elapsed == pytest.approx(3.0, rel=0.03), (elapsed, plan.schedules.replans)
+
+
+def test_stored_plan_rebuilds_the_same_schedules():
+    clock = FakeClock()
+    plan = _budget_plan(600.0, 6000, clock)
+    _run_loop(plan, lambda i: setattr(clock, "now", clock.now + (0.1 if i < 2000 else 0.13)), clock)
+    entries = plan.checkpoint_entries()
+    assert entries["total_steps"] == plan.length.total_steps
+    assert entries["run_length"]["budget_seconds_used"] == pytest.approx(clock.now)
+    rebuilt = ReplannedSchedules(_base(entries["run_length"]["planned_total"], entries["run_length"]["warmup_steps"]),
+                                 tuple(tuple(r) for r in entries["run_length"]["replans"]))
+    assert all(rebuilt.at(i) == plan.schedules.at(i) for i in range(plan.length.total_steps))
+
+
+def test_resumed_budget_spends_only_what_is_left():
+    clock = FakeClock()
+    replanner = BudgetReplanner.for_plan(100.0, 0.0, 1000, used_before=60.0, clock=clock)
+    replanner.start(500)
+    clock.now = 2.0  # 20 steps at 0.1 s: 38 s left = 380 steps
+    replan = replanner.check(520, 1000)
+    assert replan is not None and replan.new_total == 520 + 380
+    clock.now = 50.0  # past the budget: stop at the step reached
+    assert replanner.check(540, 900).new_total == 540
+
+
+@pytest.mark.slow  # the budget itself is 18 s
+def test_real_budget_run_ends_within_three_percent(tmp_path):
+    """A tiny pretraining run with an 18-second budget, all its parts counted: building, calibration, checkpoints."""
+    cmd = [sys.executable, "-m", "training.pretrain", *_args(tmp_path, [
+        "optim.budget_minutes=0.3", "run.checkpoint_every_steps=50", "run.log_every_steps=10"])]
+    result = subprocess.run(cmd, check=True, env=_env(), timeout=300, capture_output=True, text=True)
+    done = re.search(r"used ([\d.]+) min \(([\d.]+) %\)", result.stdout + result.stderr)
+    assert done, result.stdout[-2000:]
+    assert 97.0 <= float(done.group(2)) <= 103.0, result.stderr[-3000:]
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert state["step"] == state["total_steps"] and state["run_length"]["budget_seconds_used"] > 0
+
+
+@pytest.mark.slow  # two pretraining processes
+def test_budget_resume_keeps_the_stored_replans(tmp_path):
+    # Planned for a minute, then told (on resume) that only 3 s are left: the resumed run re-plans to stop soon,
+    # keeps the first plan's total and warm-up, and stores its re-plan after the old ones.
+    _pretrain(tmp_path, ["optim.budget_minutes=1", "run.max_steps=4"])
+    first = load_checkpoint(tmp_path / "checkpoint.pt")
+    planned = first["run_length"]["planned_total"]
+    _pretrain(tmp_path, [f"optim.budget_minutes={(first['run_length']['budget_seconds_used'] + 3) / 60}"],
+              resume=True)
+    second = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert second["run_length"]["planned_total"] == planned
+    assert second["run_length"]["warmup_steps"] == first["run_length"]["warmup_steps"]
+    assert second["run_length"]["replans"] and second["step"] == second["total_steps"] < planned

@@ -72,3 +72,48 @@ def test_small_image_recipe_follows_the_image_size():
         assert config_from_dict(cfg.to_dict()).model.patch_size == patch  # checkpoints restore the derived value
     with pytest.raises(ConfigError, match="patches_per_side"):
         load_config(recipe, ["model.image_size=30"])
+
+
+def test_set_takes_several_pairs_after_one_flag_and_repeats():
+    """``--set a=1 b=2`` (README, the demo config and the docs) and ``--set a=1 --set b=2`` are the same."""
+    from training.pretrain import parse_args
+
+    one_flag = parse_args(["--output-dir", "o", "--set", "data.source=synthetic", "optim.lr=2e-3", "--resume"])
+    assert one_flag.overrides == ["data.source=synthetic", "optim.lr=2e-3"] and one_flag.resume
+    mixed = parse_args(["--output-dir", "o", "--set", "data.source=synthetic", "run.seed=1", "--set", "run.seed=2"])
+    assert mixed.overrides == ["data.source=synthetic", "run.seed=1", "run.seed=2"]
+    assert load_config(None, mixed.overrides).run.seed == 2  # the later one wins
+    with pytest.raises(SystemExit):
+        parse_args(["--output-dir", "o", "--set"])  # a flag without a pair
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(None, ["data.source=synthetic", "mask.rand_crop_scale=[0.5, 1"])
+
+
+def test_visualizer_set_takes_several_pairs_too():
+    from visualizer.cli import _parser
+
+    args = _parser().parse_args(["train", "--bundle", "b", "--output-dir", "o", "--set", "a.b=1", "c.d=2",
+                                 "--set", "e.f=3"])
+    assert args.overrides == ["a.b=1", "c.d=2", "e.f=3"]
+
+
+def test_data_flag_builds_the_data_section(tmp_path):
+    """``--data DIR`` = data.source auto + data.root DIR (absolute), under the YAML and over by ``--set``."""
+    from training.pretrain import parse_args, resolve_config
+
+    (tmp_path / "images").mkdir()
+    recipe = Path(CONFIGS[0]).parent / "fmnist_vit_tiny.yaml"
+    with pytest.raises(ConfigError, match="needs a length"):  # no --config: the run is planned (test_plan.py)
+        resolve_config(parse_args(["--output-dir", "o", "--data", str(tmp_path / "images")]))
+    cfg = resolve_config(parse_args(["--output-dir", "o", "--config", str(recipe), "--data", str(tmp_path / "images"),
+                                     "--set", "data.source=folder", "model.image_size=32"]))
+    assert (cfg.data.source, cfg.model.image_size, cfg.model.patches_per_side) == ("folder", 32, 4)
+    cfg = resolve_config(parse_args(["--output-dir", "o", "--data", "synthetic", "--epochs", "1"]))
+    assert (cfg.data.source, cfg.data.root) == ("synthetic", None)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        resolve_config(parse_args(["--output-dir", "o", "--data", str(tmp_path / "missing")]))
+    for source in ("folder", "file_list", "auto"):
+        with pytest.raises(ConfigError, match="data.root is required"):
+            load_config(None, [f"data.source={source}"])
+    with pytest.raises(ConfigError, match="data.source='cifar'"):
+        load_config(None, ["data.source=cifar"])

@@ -1,7 +1,7 @@
 """msn-export --quantize int8: a guarded int8 graph beside the fp32 one, refused when the guard fails.
 
 Real ONNX Runtime quantization of tiny encoders, calibrated and guarded on the synthetic dataset (labelled, so the
-low-shot check runs too); timings are not asserted (numbers belong to benchmarks/serve_bench.py).
+low-shot check runs too); timings are not asserted (numbers belong to benchmarks/serving/serve_bench.py).
 """
 
 from __future__ import annotations

@@ -92,6 +92,7 @@ def test_rejects_float_input() -> None:
         _augment()(torch.zeros(2, 3, 32, 32))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_views_match_shapes_and_stay_on_device() -> None:
     target, _, focal = _augment()(_synthetic_batch(4).cuda())

@@ -19,6 +19,7 @@ TINY_OVERRIDES = [
     "diffusion.sample_steps=3", "data.source=synthetic", "data.synthetic_size=64", "data.batch_size=8",
     "data.num_workers=0", "run.device=cpu", "run.progress_bar=false", "run.sample_every_steps=0",
     "run.grid_images=2", "run.grid_samples=2", "run.log_every_steps=1", "optim.warmup_steps=2",
+    "run.quality_images=10",
 ]
 
 
@@ -47,6 +48,16 @@ def tiny_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
     out = tmp_path_factory.mktemp("viz-run") / "rcdm"
     train(tiny_config("optim.max_steps=3"), tiny_bundle, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_guided_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A decoder run trained with condition dropout (an unconditional branch, so guidance means something)."""
+    from visualizer.train import train
+
+    out = tmp_path_factory.mktemp("viz-run-guided") / "rcdm"
+    train(tiny_config("optim.max_steps=3", "diffusion.cond_drop_prob=0.5"), tiny_bundle, out)
     return out
 
 

@@ -46,6 +46,54 @@ def client(app_url: str):
     return Client(app_url, verbose=False)
 
 
+@pytest.fixture(scope="module")
+def guided_app_url(tiny_bundle: Path, tiny_guided_run: Path) -> Iterator[str]:
+    """The app on a decoder trained with condition dropout."""
+    from visualizer.app import launch
+
+    port = _free_port()
+    demo = launch(tiny_bundle, tiny_guided_run, port=port, block=False)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+def _component(url: str, elem_id: str) -> dict:
+    """A component's properties as the served page receives them (Gradio's /config)."""
+    import httpx
+
+    config = httpx.get(url + "config", timeout=30).json()
+    [props] = [c["props"] for c in config["components"] if c.get("props", {}).get("elem_id") == elem_id]
+    return props
+
+
+def test_guidance_is_fixed_for_a_decoder_trained_without_condition_dropout(app_url: str, client,
+                                                                           sample_png: Path) -> None:
+    from gradio_client import handle_file
+
+    assert _component(app_url, "guidance")["visible"] is False
+    about = _component(app_url, "decoder-info")["value"]
+    assert "step 3 of 3" in about and "class consistency" in about and "Guidance is fixed at 1" in about
+    for scale in (0.0, 2.0):  # an API user cannot ask for it either
+        with pytest.raises(Exception, match="Bad guidance: guidance scale .* needs a decoder trained with condition"):
+            client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, 2, 2, scale, 0, api_name="/sample")
+
+
+def test_guidance_is_offered_for_a_decoder_trained_with_condition_dropout(guided_app_url: str,
+                                                                          sample_png: Path) -> None:
+    from gradio_client import Client, handle_file
+
+    slider = _component(guided_app_url, "guidance")
+    assert slider["visible"] is True and slider["minimum"] == 0.0 and slider["value"] == 1.0
+    assert "condition dropout 0.5" in _component(guided_app_url, "decoder-info")["value"]
+    client = Client(guided_app_url, verbose=False)
+    for scale in (0.0, 2.5):
+        _, gallery, status = client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, 2, 2, scale, 0,
+                                            api_name="/sample")
+        assert len(gallery) == 2 and status == "2 samples from 32/64 kept patches"
+
+
 def test_examples_include_fashion_mnist_and_photos(tmp_path: Path) -> None:
     from visualizer.app import example_images
 
@@ -116,6 +164,8 @@ def test_browser_click_patches_and_sample(app_url: str, sample_png: Path) -> Non
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             page.goto(app_url, wait_until="domcontentloaded")
+            expect(page.locator("#decoder-info")).to_contain_text("Guidance is fixed at 1", timeout=30_000)
+            expect(page.locator("#guidance")).to_be_hidden()  # this decoder was trained without condition dropout
             page.locator("#upload input[type=file]").set_input_files(str(sample_png))
             status = page.locator("#status")
             expect(status).to_contain_text("32/64 patches kept", timeout=30_000)

@@ -1,5 +1,5 @@
-"""The visualizer's login (issue 12, defect 10): with an auth file or the msn-serve API key, neither the app nor its
-API answers without logging in; with the right password both work."""
+"""The visualizer's login: with an auth file or the msn-serve API key, neither the app nor its API answers without
+logging in; with the right password both work."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Decoder training: a few steps, the sample grid, exact resume, sampling from the run, the CLI, DDP."""
+"""Decoder training: a few steps, the sample grid, exact resume, sampling from the run, what the checkpoint records
+(condition dropout, quality), the CLI, DDP."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +27,12 @@ def test_tiny_decoder_trains_and_samples(tiny_bundle: Path, tiny_run: Path) -> N
     assert state["step"] == 3 and state["bundle"]["model_id"].startswith("msn-tiny4")
     grid = Image.open(tiny_run / "samples" / "step_000003.png")
     assert grid.size[0] > grid.size[1] > 0  # 2 rows x (original, masked, 2 samples)
-    assert (tiny_run / "metrics.jsonl").read_text().count("\n") == 3
+    records = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 3] and all(r["images_per_s"] > 0 for r in records[:3])
+    quality = records[-1]["quality"]  # the end-of-training figure, also in the checkpoint
+    assert quality == state["quality"] and quality["step"] == 3 and quality["images"] == 10
+    assert 0.0 <= quality["class_consistency"] <= 1.0 and quality["chance"] == 0.1
+    assert state["cond_drop_prob"] == 0.0
     pipe = RCDMPipeline.from_dirs(tiny_bundle, tiny_run)
     image = torch.randint(0, 256, (1, 3, 40, 48), dtype=torch.uint8)
     samples = pipe.sample(image, torch.arange(0, 64, 3), num_samples=5, steps=2, seed=1)
@@ -69,6 +76,44 @@ def test_cli_sample_writes_a_grid(tiny_bundle: Path, tiny_run: Path, sample_png:
     with pytest.raises(SystemExit, match="cannot read bad.png as an image"):
         main(["sample", "--bundle", str(tiny_bundle), "--decoder", str(tiny_run), "--image", str(bad),
               "--out", str(out)])
+
+
+def test_checkpoint_records_condition_dropout_and_guidance_follows_it(tiny_bundle: Path, tiny_run: Path,
+                                                                       tiny_guided_run: Path, tmp_path: Path) -> None:
+    guided_state = load_run(tiny_guided_run)
+    assert guided_state["cond_drop_prob"] == 0.5 and guided_state["step"] == 3
+    image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8)
+    plain = RCDMPipeline.from_dirs(tiny_bundle, tiny_run)
+    assert not plain.guidance_trained and plain.guidance() == 1.0
+    with pytest.raises(ValueError, match="condition dropout"):
+        plain.sample(image, num_samples=2, steps=2, guidance_scale=0.0)
+    guided = RCDMPipeline.from_dirs(tiny_bundle, tiny_guided_run)
+    assert guided.guidance_trained
+    conditional, unconditional, strong = (guided.sample(image, num_samples=2, steps=2, guidance_scale=g, seed=1)
+                                          for g in (1.0, 0.0, 3.0))
+    assert not torch.equal(conditional, unconditional) and not torch.equal(conditional, strong)
+    with pytest.raises(ValueError, match="outside"):
+        guided.sample(image, num_samples=1, steps=2, guidance_scale=-1.0)
+    # a checkpoint written before the field existed counts as trained without dropout
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save({k: v for k, v in guided_state.items() if k not in ("cond_drop_prob", "quality")}, old / "checkpoint.pt")
+    legacy = RCDMPipeline.from_dirs(tiny_bundle, old)
+    assert not legacy.guidance_trained and legacy.quality is None
+    # resuming a decoder whose first steps had no dropout keeps recording 0
+    train(tiny_config("optim.max_steps=1", "run.quality_images=0"), tiny_bundle, tmp_path / "mixed")
+    train(tiny_config("optim.max_steps=2", "run.quality_images=0", "diffusion.cond_drop_prob=0.5"), tiny_bundle,
+          tmp_path / "mixed", resume=True)
+    mixed = load_run(tmp_path / "mixed")
+    assert mixed["step"] == 2 and mixed["cond_drop_prob"] == 0.0 and mixed["quality"] is None
+
+
+def test_cli_refuses_guidance_the_decoder_was_not_trained_for(tiny_bundle: Path, tiny_run: Path, sample_png: Path,
+                                                              tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="needs a decoder trained with condition dropout"):
+        main(["sample", "--bundle", str(tiny_bundle), "--decoder", str(tiny_run), "--image", str(sample_png),
+              "--steps", "2", "--guidance-scale", "2", "--out", str(tmp_path / "grid.png")])
+    assert not (tmp_path / "grid.png").exists()
 
 
 @pytest.mark.slow

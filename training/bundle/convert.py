@@ -22,6 +22,7 @@ from training.model.stem import conv_stem_layers
 __all__ = [
     "KeyMismatchError",
     "StateDict",
+    "checkpoint_to_official",
     "hf_config_to_kwargs",
     "hf_to_ours",
     "kwargs_to_hf_config",
@@ -84,6 +85,22 @@ def ours_to_official(
     state.update({f"fc.{key}": value for key, value in (head_state or {}).items()})
     prefix = "module." if ddp_prefix else ""
     return {prefix + key: value for key, value in state.items()}
+
+
+def checkpoint_to_official(checkpoint: Mapping, *, ddp_prefix: bool = True) -> dict:
+    """One of our training checkpoints -> the layout of the released facebookresearch/msn weights.
+
+    Exactly what those files hold (and ``torch.load(...)["target_encoder"]`` users read): ``target_encoder``, the
+    target trunk with its projection head under ``fc.*`` (fused ``attn.qkv``, ``module.`` keys as a multi-GPU run
+    saves them unless ``ddp_prefix=False``), and ``prototypes`` (K x D). Optimiser state and the online encoder
+    are not part of the released layout.
+    """
+    missing = [key for key in ("target_encoder", "target_head", "prototypes") if key not in checkpoint]
+    if missing:
+        raise KeyError(f"not an MSN pretraining checkpoint: no {', '.join(missing)}")
+    trunk = strip_prefix(strip_prefix(checkpoint["target_encoder"], "module."), "_orig_mod.")
+    return {"target_encoder": ours_to_official(trunk, checkpoint["target_head"], ddp_prefix=ddp_prefix),
+            "prototypes": checkpoint["prototypes"].detach().clone()}
 
 
 # --- HuggingFace ViTMSN (on-disk legacy names) -------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Embed a whole image corpus with an exported bundle, sharded over torchrun ranks (``msn-embed``).
 
 ``torchrun --nproc_per_node=N -m training.bundle.embed --bundle B --data DIR|LIST --out OUT`` (plain ``python -m`` = one
-process). The corpus is the sorted file list of an ImageFolder tree (or any directory of images), or the lines of a
-text file; image *i* of that list gets id *i*, so ids do not depend on the number of ranks or on restarts. The
-list is cut into shards of ``--shard-size`` consecutive images and shard *s* goes to rank ``s % world_size``.
+process). The corpus is any source of ``training/sources.py``, as pretraining reads it: the sorted listing of a folder
+(flat or nested; an ImageFolder tree gives labels), or the lines of a file list (text or CSV, relative paths read
+from the list's folder or ``--image-root``); image *i* of that listing gets id *i*, so ids do not depend on the
+number of ranks or on restarts. The list is cut into shards of ``--shard-size`` consecutive images and shard *s*
+goes to rank ``s % world_size``.
 
 Per shard ``OUT/shard-SSSSS.{emb.npy,ids.npy,paths.jsonl}`` (paths relative to ``--data`` for directories, as
-written for file lists) are written through temporary files (fsync + rename)
+written for file lists; ``manifest.json``'s ``base`` is the folder they are relative to) are written through
+temporary files (fsync + rename)
 and then ``shard-SSSSS.json`` commits it; a restart skips every committed shard, so a killed job loses at most one
 shard per rank. Unreadable images are skipped (no embedding, no id) and listed in the shard's JSON. Rank 0 finally
 writes ``manifest.json`` (model id, dim, shards, counts), which is what ``msn-index build`` reads.
@@ -29,9 +32,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from msn_core.bundle import META_FILE, load_bundle_info
 from msn_core.durable import atomic_write, atomic_write_json
-from training.data import IMAGE_EXTENSIONS, ImageFolderDataset, load_image, pil_to_tensor
+from training.data import load_image, pil_to_tensor
 from training.distributed import barrier, cleanup, init_distributed
 from training.evaluation.features import OnnxEmbedder, TorchEmbedder, bundle_fingerprint
+from training.sources import FILE_SOURCES, SourceError, SourceListing, list_images
 from training.views import eval_transform
 
 log = logging.getLogger("msn.embed")
@@ -42,24 +46,16 @@ FORMAT_VERSION = 1
 # ------------------------------------------------------------------------------------------------ the corpus
 
 
-def list_corpus(data: Path) -> list[tuple[str, str | None]]:
-    """``[(path, label or None)]`` in id order: an ImageFolder tree or a plain image directory (paths relative to
-    ``data``, so the listing does not depend on the working directory), or a file list (paths as written)."""
-    if data.is_file():
-        lines = [ln.strip() for ln in data.read_text(encoding="utf-8").splitlines()]
-        items = [(ln, None) for ln in lines if ln and not ln.startswith("#")]
-        if not items:
-            raise ValueError(f"file list {data} has no entries (one image path per line)")
-        return items
-    if not data.is_dir():
-        raise FileNotFoundError(f"--data {data}: neither an image directory nor a file list")
-    if any(e.is_dir() for e in os.scandir(data)):
-        ds = ImageFolderDataset(data, load_size=1)  # only its sorted file listing is used
-        return [(os.path.normpath(rel), ds.classes[label]) for rel, label in ds.samples]
-    files = sorted(p.name for p in data.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
-    if not files:
-        raise FileNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {data}")
-    return [(name, None) for name in files]
+def list_corpus(data: Path, source: str = "auto", image_root: Path | None = None) -> SourceListing:
+    """The corpus in id order (``training.sources.list_images``: the same listing pretraining reads)."""
+    return list_images(source, data, image_root=image_root)
+
+
+def corpus_items(listing: SourceListing) -> list[tuple[str, str | None, str]]:
+    """``[(path as recorded, class name or None, path to open)]`` in id order."""
+    classes, labels = listing.classes, listing.labels
+    names = [classes[k] for k in labels] if classes is not None and labels is not None else [None] * len(listing)
+    return list(zip(listing.names, names, listing.files))
 
 
 class _Images(Dataset):
@@ -92,20 +88,18 @@ def _embedder(bundle: Path, backend: str, device: str, threads: int):
     if backend == "torch":
         torch.set_num_threads(threads)
         return TorchEmbedder.from_bundle(bundle, device=device)
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else None
-    return OnnxEmbedder(bundle, providers=providers, intra_op_threads=threads)
+    return OnnxEmbedder(bundle, device=device, intra_op_threads=threads)
 
 
 def shard_name(s: int) -> str:
     return f"shard-{s:05d}"
 
 
-def embed_shard(out: Path, s: int, items: list[tuple[str, str | None]], first_id: int, embedder, pre: dict,
+def embed_shard(out: Path, s: int, items: list[tuple[str, str | None, str]], first_id: int, embedder, pre: dict,
                 args: argparse.Namespace, bar) -> dict:
     """Embed one shard and commit it; returns the shard record written to ``shard-SSSSS.json``."""
     crop, num_patches = int(pre["crop"]), (int(pre["crop"]) // embedder.patch_size) ** 2
-    base = args.data if args.data.is_dir() else Path()
-    ds = _Images([base / p for p, _ in items], first_id, int(pre["resize"]))
+    ds = _Images([Path(file) for _, _, file in items], first_id, int(pre["resize"]))
     loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers, collate_fn=_collate)
     chunks, ids, skipped = [], [], []
     for batch_ids, images, bad in loader:
@@ -184,7 +178,11 @@ def write_manifest(out: Path, run: dict, n_shards: int, dim: int, seconds: float
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="msn-embed", description=__doc__.split("\n\n")[0])
     p.add_argument("--bundle", type=Path, required=True, help="msn-export bundle directory")
-    p.add_argument("--data", type=Path, required=True, help="ImageFolder/image directory, or a text file of paths")
+    p.add_argument("--data", type=Path, required=True,
+                   help="a folder of images (flat, nested or root/<class>/...) or a file list (.txt/.csv)")
+    p.add_argument("--source", choices=list(FILE_SOURCES), default="auto",
+                   help="how to read --data (training/sources.py; auto: a file is a list, a folder is listed whole)")
+    p.add_argument("--image-root", type=Path, help="where a file list's relative paths point (default: its folder)")
     p.add_argument("--out", type=Path, required=True, help="output directory for shards + manifest.json")
     p.add_argument("--backend", choices=["onnx", "torch"], default="onnx",
                    help="onnx = the graph msn-serve runs (default); torch = encoder.safetensors")
@@ -215,13 +213,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, dist) -> int:
     t0 = time.perf_counter()
-    items = list_corpus(args.data)
+    try:
+        listing = list_corpus(args.data, args.source, args.image_root)
+    except SourceError as e:
+        raise SystemExit(f"msn-embed: {e}") from None
+    items = corpus_items(listing)
     info = load_bundle_info(args.bundle)
     pre = info.preprocessing.to_dict()
     run = {"model_id": info.model_id, "feature": info.feature,
            "bundle": str(args.bundle.resolve()), "bundle_sha256": bundle_fingerprint(args.bundle),
-           "backend": args.backend, "source": str(args.data.resolve()), "num_files": len(items),
-           "files_sha256": hashlib.sha256("\n".join(p for p, _ in items).encode()).hexdigest(),
+           "backend": args.backend, "source": str(args.data.resolve()), "base": str(Path(listing.base).resolve()),
+           "num_files": len(items), "files_sha256": hashlib.sha256("\n".join(p for p, _, _ in items).encode()).hexdigest(),
            "shard_size": args.shard_size,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if dist.rank == 0:

@@ -36,10 +36,10 @@ from msn_core.bundle import (
     GRAPH_INPUTS,
     INT8_METHODS,
     INT8_ONNX_FILE,
-    OUTPUT_NAME,
     load_bundle_info,
     onnx_feeds,
 )
+from msn_core.inference import OrtGraph
 from msn_core.masks import random_keep
 from training.bundle.int8_guard import GuardData, GuardThresholds, guard_data, run_guard
 from training.bundle.openvino_timing import openvino_images_per_s
@@ -154,7 +154,7 @@ def quantize_graph(src: Path, dst: Path, method: str, calibration: list[dict[str
                 raise ValueError(f"{method} quantization needs calibration images")
             fmt = QuantFormat.QOperator if method == "static" else QuantFormat.QDQ
             # Named nodes: the QDQ quantizer ignores MatMulConstBOnly and would quantize the attention's
-            # activation x activation products too (measured: masked cosine 0.97 on the test encoder).
+            # activation x activation products too (then masked embeddings fail the accuracy guard's cosine).
             quantize_static(str(pre), str(dst), _Reader(calibration), quant_format=fmt,
                             op_types_to_quantize=["MatMul"], nodes_to_quantize=_weight_matmuls(pre),
                             per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
@@ -180,26 +180,19 @@ def _weight_matmuls(path: Path) -> list[str]:
 
 def measure_speed(paths: dict[str, Path], pixel_values: np.ndarray, num_patches: int, *, threads: int = 0,
                   seconds: float = 3.0) -> dict[str, float]:
-    """Unmasked images/s of each graph at the batch given, measured interleaved (so a busy machine slows all
-    alike)."""
-    import onnxruntime as ort
-
-    sessions = {}
-    for name, path in paths.items():
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        sessions[name] = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    """Unmasked images/s of each graph at the batch given, run as the service runs it (:class:`OrtGraph`), measured
+    interleaved (so a busy machine slows all alike)."""
+    graphs = {name: OrtGraph(path, intra_op_threads=threads) for name, path in paths.items()}
     n = len(pixel_values)
     keep = np.tile(np.arange(num_patches, dtype=np.int64), (n, 1))
-    times: dict[str, list[float]] = {name: [] for name in sessions}
-    for session in sessions.values():
-        session.run([OUTPUT_NAME], onnx_feeds(GRAPH_INPUTS, pixel_values, keep))
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for graph in graphs.values():
+        graph.run(pixel_values, keep)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or min(len(t) for t in times.values()) < 3:
-        for name, session in sessions.items():
+        for name, graph in graphs.items():
             t0 = time.perf_counter()
-            session.run([OUTPUT_NAME], onnx_feeds(GRAPH_INPUTS, pixel_values, keep))
+            graph.run(pixel_values, keep)
             times[name].append(time.perf_counter() - t0)
     return {name: round(n / float(np.median(t)), 1) for name, t in times.items()}
 

@@ -6,7 +6,11 @@
     msn-eval linear --bundle bundles/demo --data fashion-mnist
     msn-eval robustness --bundle bundles/demo --data fashion-mnist --ratios 0.15 0.3 0.5 0.7 0.9
 
-``--data`` is ``fashion-mnist``, ``synthetic`` or a directory with ``train/`` and ``val/`` ImageFolder subfolders.
+``--data`` is ``fashion-mnist``, ``synthetic``, or labelled images (``training/sources.py``): a folder with ``train/``
+and ``val/`` (or ``test/``) subfolders, each ``<class>/<image>``, or one labelled folder or file list (``path label``
+lines, or CSV ``path,label``) for the training images with ``--test-data`` naming the test images the same way:
+
+    msn-eval knn --bundle B --data train.csv --test-data test.csv [--image-root DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ from training.evaluation.knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_accuracy
 from training.evaluation.linear_probe import train_linear_probe
 from training.evaluation.lowshot import DEFAULT_LAMBD, LAMBD_SWEEP, LowShotResult, summarize
 from training.evaluation.robustness import DEFAULT_RATIOS, masked_lowshot, similarity_by_ratio
+from training.sources import (
+    MEMORY_SOURCES,
+    SPLIT_FOLDERS,
+    SourceError,
+    SourceListing,
+    list_images,
+    relabel,
+)
 
 REPO_SPLITS = split_files.REPO_SPLITS
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "msn-eval"
@@ -51,18 +63,15 @@ class Context:
     cache_tag: str
 
     def dataset(self, split: str):
-        """``split`` is ``train`` or ``test`` (``val/`` for an image folder); decoded at the resize size."""
-        from training.data import build_dataset
+        """``split`` is ``train`` or ``test``; decoded at the resize size."""
+        from training.data import ImageListDataset, build_dataset
 
         data, load_size = self.args.data, int(self.preprocessing["resize"])
-        if data in ("fashion-mnist", "synthetic"):
+        if data in MEMORY_SOURCES and not Path(data).exists():
             size = self.args.synthetic_size if split == "train" else max(1, self.args.synthetic_size // 2)
             return build_dataset(data, root=self.args.data_root, split=split, load_size=load_size,
                                  synthetic_size=size)
-        if not (Path(data) / "train").is_dir() or not (Path(data) / "val").is_dir():
-            raise SystemExit(f"--data {data}: expected fashion-mnist, synthetic or a directory with train/ and val/")
-        return build_dataset("image_folder", root=data, split="train" if split == "train" else "val",
-                             load_size=load_size)
+        return ImageListDataset(labelled_listing(self.args, split), load_size=load_size)
 
     def embed(self, dataset, indices=None, *, mask_ratio: float = 0.0, desc: str = "embedding") -> Features:
         a = self.args
@@ -81,6 +90,31 @@ class Context:
         test = self.dataset("test")
         limit = self.args.max_test
         return self.embed(test, None if not limit else np.arange(min(limit, len(test))), desc="test")
+
+
+def labelled_listing(args: argparse.Namespace, split: str) -> SourceListing:
+    """The labelled images of ``split``: ``--data`` (its ``train/`` when it has one) for ``train``; ``--test-data``,
+    else ``--data``'s ``val/`` or ``test/``, for ``test``, with labels mapped onto the training classes by name."""
+    data = Path(args.data)
+    train = _require_labels(list_images(args.source, data, split="train", image_root=args.image_root))
+    if split == "train":
+        return train
+    if args.test_data is not None:
+        test = list_images(args.source, args.test_data, split="test", image_root=args.image_root)
+    elif data.is_dir() and any((data / name).is_dir() for name in SPLIT_FOLDERS["test"]):
+        test = list_images(args.source, data, split="test", image_root=args.image_root)
+    else:
+        raise SourceError(f"--data {data}: no test images; give --test-data (a labelled folder or file list) or "
+                          "use a folder with train/ and val/ subfolders")
+    return relabel(_require_labels(test), train.classes)
+
+
+def _require_labels(listing: SourceListing) -> SourceListing:
+    if not listing.labelled:
+        raise SourceError(f"evaluation needs labels, but found {listing.describe()}: use class folders "
+                          "(root/<class>/<image>, --source image_folder for deeper layouts) or a file list with "
+                          "labels (path label, or CSV path,label)")
+    return listing
 
 
 def make_context(args: argparse.Namespace) -> Context:
@@ -223,7 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--bundle", required=True, help="exported bundle directory (msn.json, model.onnx, ...)")
-    common.add_argument("--data", required=True, help="fashion-mnist | synthetic | DIR with train/ and val/")
+    common.add_argument("--data", required=True, help="fashion-mnist | synthetic | DIR with train/ and val/ | "
+                        "a labelled folder or file list of training images (with --test-data)")
+    common.add_argument("--test-data", help="labelled folder or file list of the test images (default: DATA/val)")
+    common.add_argument("--source", choices=("auto", "image_folder", "file_list"), default="auto",
+                        help="how to read --data and --test-data (auto: a file is a list, a folder of class "
+                             "folders an image folder)")
+    common.add_argument("--image-root", help="where a file list's relative paths point (default: the list's folder)")
     common.add_argument("--data-root", help="directory of the Fashion-MNIST idx files")
     common.add_argument("--backend", choices=BACKENDS, default="onnx",
                         help="onnx (model.onnx), torch (encoder.safetensors) or pixels (raw-pixel baseline)")
@@ -291,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.command}: {args.bundle} on {args.data} ({args.backend}, {ctx.embedder.feature}) "
           f"in {elapsed:.1f} s", file=sys.stderr)
     if args.json:
-        report = {"command": args.command, "bundle": str(args.bundle), "data": args.data,
+        report = {"command": args.command, "bundle": str(args.bundle), "data": args.data, "test_data": args.test_data,
                   "backend": args.backend, "feature": ctx.embedder.feature, "seconds": elapsed, "results": rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

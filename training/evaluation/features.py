@@ -23,14 +23,9 @@ import torch
 from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
-from msn_core.bundle import (
-    ONNX_FILE,
-    Preprocessing,
-    check_graph_inputs,
-    load_bundle_info,
-    onnx_feeds,
-)
+from msn_core.bundle import ONNX_FILE, Preprocessing, load_bundle_info
 from msn_core.durable import atomic_write
+from msn_core.inference import OrtGraph
 from msn_core.masks import random_keep
 from training.data import collate_views
 from training.masking import encoder_keep_args
@@ -69,31 +64,25 @@ class Embedder(Protocol):
 class OnnxEmbedder:
     """The bundle's ``model.onnx`` under ONNX Runtime; its output is the bundle's ``feature``.
 
-    ``model_path`` runs another graph with the same contract instead (the int8 graph, or one being checked before
-    it is added to the bundle)."""
+    The graph runs as the service runs it (:class:`msn_core.inference.OrtGraph`: same session settings, same CUDA
+    provider). ``model_path`` runs another graph with the same contract instead (the int8 graph, or one being
+    checked before it is added to the bundle); ``intra_op_threads`` 0 = every CPU this process may use (set it when
+    ranks share cores)."""
 
     backend = "onnx"
 
-    def __init__(self, bundle_dir: str | os.PathLike, *, feature: str | None = None,
-                 providers: Sequence[str] | None = None, intra_op_threads: int = 0,
-                 model_path: str | os.PathLike | None = None) -> None:
-        import onnxruntime as ort
-
+    def __init__(self, bundle_dir: str | os.PathLike, *, feature: str | None = None, device: str = "cpu",
+                 intra_op_threads: int = 0, model_path: str | os.PathLike | None = None) -> None:
         info = load_bundle_info(bundle_dir, need=(ONNX_FILE,))
         self.feature = info.feature
         if feature is not None and feature != self.feature:
             raise ValueError(f"the bundle's ONNX model outputs {self.feature!r}, not {feature!r}; "
                              "use the torch backend for another feature")
         self.patch_size = info.patch_size
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads  # 0 = ORT's default; set it when ranks share cores
-        self.session = ort.InferenceSession(str(model_path or info.onnx_path), sess_options=options,
-                                            providers=list(providers or ["CPUExecutionProvider"]))
-        self.input_names = {i.name for i in self.session.get_inputs()}
-        check_graph_inputs(self.input_names)
+        self.graph = OrtGraph(model_path or info.onnx_path, device=device, intra_op_threads=intra_op_threads)
 
     def __call__(self, pixel_values: np.ndarray, keep_idx: np.ndarray) -> np.ndarray:
-        return self.session.run(["embedding"], onnx_feeds(self.input_names, pixel_values, keep_idx))[0]
+        return self.graph.run(pixel_values, keep_idx)
 
 
 class TorchEmbedder:
@@ -138,11 +127,10 @@ def load_embedder(bundle_dir: str | os.PathLike, backend: str = "onnx", *, featu
                   device: str = "cpu", threads: int = 0) -> Embedder:
     """The embedder named by ``backend``: ``onnx`` | ``torch`` | ``pixels`` (bundle only gives preprocessing).
 
-    ``threads`` sets ONNX Runtime's intra-op threads (0: its default, one per physical core).
+    ``threads`` sets ONNX Runtime's intra-op threads (0: every CPU this process may use).
     """
     if backend == "onnx":
-        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else None
-        return OnnxEmbedder(bundle_dir, feature=feature, providers=providers, intra_op_threads=threads)
+        return OnnxEmbedder(bundle_dir, feature=feature, device=device, intra_op_threads=threads)
     if backend == "torch":
         return TorchEmbedder.from_bundle(bundle_dir, feature=feature, device=device)
     if backend == "pixels":

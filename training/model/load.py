@@ -23,6 +23,7 @@ from training.model.vit import VisionTransformer, interpolate_patch_pos_embed
 __all__ = [
     "KeyMismatchError",
     "check_keys",
+    "describe_trunk",
     "load_encoder",
     "load_trunk",
     "preview_keys",
@@ -78,6 +79,26 @@ def trunk_depth(state: Mapping[str, Tensor]) -> int:
     """Number of transformer blocks a trunk state dict holds (0 when it has none)."""
     indices = {int(m.group(1)) for key in state if (m := _BLOCK_KEY.match(key))}
     return max(indices) + 1 if indices else 0
+
+
+def describe_trunk(trunk: Mapping[str, Tensor]) -> dict:
+    """What a trunk state dict itself says about its architecture, in ``VisionTransformer`` kwarg names.
+
+    ``embed_dim``, ``depth``, ``in_chans``, ``mlp_ratio`` and ``grid`` (patches per side of the stored position
+    embeddings) always; ``patch_size`` only for a patch projection (a conv stem's strides are not in its weights).
+    The number of heads is not stored anywhere in the weights. Used to explain a mismatch before loading.
+    """
+    embed_dim = int(trunk["cls_token"].shape[-1])
+    shape = {"embed_dim": embed_dim, "depth": trunk_depth(trunk),
+             "grid": round((trunk["pos_embed"].shape[1] - 1) ** 0.5)}
+    if "blocks.0.mlp.fc1.weight" in trunk:
+        shape["mlp_ratio"] = trunk["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim
+    projection = trunk.get("patch_embed.proj.weight")
+    if projection is not None:
+        shape["patch_size"], shape["in_chans"] = int(projection.shape[-1]), int(projection.shape[1])
+    elif "patch_embed.stem.0.weight" in trunk:
+        shape["in_chans"] = int(trunk["patch_embed.stem.0.weight"].shape[1])
+    return shape
 
 
 def load_trunk(encoder: VisionTransformer, trunk: Mapping[str, Tensor], source: str) -> VisionTransformer:

@@ -1,34 +1,59 @@
-"""Steps that fit in a wall-clock budget: users think in minutes and GPU-hours, not epochs.
+"""Steps that fit in a wall-clock budget, planned before the run and re-planned while it runs.
 
-With ``optim.budget_minutes``, ``training/run/length.py`` has ``plan_budget`` time a few real optimiser steps on
-batches from the loader before the run (every weight, optimiser moment and RNG stream is put back afterwards, so
-calibration leaves no trace) and keeps the step count that ends the cosine learning-rate, weight-decay and EMA
-schedules with the budget. The count is stored in the checkpoint: ``--resume`` follows the same schedules and does
-not measure again.
+Users think in minutes and GPU-hours, not epochs. With ``optim.budget_minutes`` the run's length is planned twice
+over:
 
-The budget counts from just after the processes start: building the networks, calibration, the optimiser steps,
-checkpoints and logging. Evaluation and export come after it. A machine that gets slower (or faster) during the
-run ends later (or earlier) than planned; the trainer logs the planned and the measured rate.
+1. **Before the loop** ``training/run/length.py`` has ``plan_budget`` time a few real optimiser steps on batches
+   from the loader (every weight, optimiser moment and RNG stream is put back afterwards, so calibration leaves no
+   trace) and keeps the step count that fits in what is left of the budget. Warm-up is fixed here, in steps.
+2. **During the loop** the step time drifts: it got faster after calibration on the demo (a 10-minute budget
+   ended after 9.0 minutes) and slower on a folder of PNGs, where decoding sets the pace. ``BudgetReplanner``
+   therefore looks again every 2 % of the planned run: from the rate of the recent steps, measured on the wall
+   clock (data loading, logging and checkpoints included; the window spans at least one checkpoint interval),
+   it computes the steps that fit in what is left of the budget. When that moves the end by more than 1 % the
+   run is re-planned to it, and the learning-rate, weight-decay and EMA schedules stretch or shrink to end there
+   (``training/run/schedules.py``, ``ReplannedSchedules``: continuous, warm-up untouched). Every re-plan is
+   logged. Ranks agree on the smallest count (the slowest rank sets the pace of a synchronous run).
+
+A run thus ends within about 1 % of its budget plus what the step time drifts in the last 2 % of the run
+(tested with a step whose duration doubles halfway, and with a real run). The budget counts from just after the
+processes start: building the networks, calibration, the optimiser steps, checkpoints and logging. Evaluation and
+export come after it.
+
+The checkpoint stores the plan (``run_length``: the first plan's total and warm-up, every re-plan, the seconds of
+budget used): ``--resume`` rebuilds the same schedules without measuring again and spends only what is left of the
+budget, re-planning from its own rate. A resumed run is bit-identical to an uninterrupted one given the same
+re-plans; re-plans follow the wall clock, which a second run does not repeat exactly.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from training import distributed as dist
 from training.checkpoint import capture_rng_state, restore_rng_state
 
-__all__ = ["BudgetPlan", "plan_budget", "steps_for_budget"]
+__all__ = ["BudgetPlan", "BudgetReplanner", "Replan", "plan_budget", "steps_for_budget"]
+
+log = logging.getLogger("msn.train")
 
 # Steps timed after the untimed warm-up ones (allocator, thread pools, compilation); enough for a stable median.
 CALIBRATION_STEPS = 16
 WARMUP_STEPS = 3
+# During the run: look again every REPLAN_EVERY of the planned run, from the rate over at least RATE_WINDOW of it
+# (and at least one checkpoint interval, so checkpoints are averaged in), and re-plan when the end moves by more
+# than REPLAN_THRESHOLD of the run.
+REPLAN_EVERY = 0.02
+RATE_WINDOW = 0.1
+REPLAN_THRESHOLD = 0.01
 
 
 @dataclass(frozen=True)
@@ -80,3 +105,75 @@ def plan_budget(step_fn: Callable[[int], None], modules: list[torch.nn.Module], 
     total = steps_for_budget(budget_seconds, elapsed, seconds_per_step, overhead_fraction)
     total = dist.all_reduce_min_int(total)
     return BudgetPlan(total, seconds_per_step, time.monotonic() - calibration_start)
+
+
+@dataclass(frozen=True)
+class Replan:
+    """One re-plan, for the log: the new step count and what it was computed from."""
+
+    step: int
+    old_total: int
+    new_total: int
+    seconds_per_step: float
+    seconds_used: float
+    budget_seconds: float
+
+    def describe(self) -> str:
+        return (f"budget re-plan at step {self.step}: {self.seconds_used / 60:.2f} of "
+                f"{self.budget_seconds / 60:.2f} min used, {self.seconds_per_step:.4f} s/step over the recent steps "
+                f"-> {self.new_total} steps (was {self.old_total})")
+
+
+@dataclass
+class BudgetReplanner:
+    """Re-plans a budget run's step count from its measured rate, at fixed steps of the run.
+
+    ``started_at`` is the ``clock()`` reading the budget counts from; a resumed run passes the seconds it used
+    before as ``used_before``. Every rank must call ``check`` after every step (the checks all-reduce).
+    """
+
+    budget_seconds: float
+    started_at: float
+    check_every: int
+    window_steps: int
+    used_before: float = 0.0
+    threshold: float = REPLAN_THRESHOLD
+    clock: Callable[[], float] = time.monotonic
+    _marks: deque[tuple[int, float]] = field(default_factory=deque, repr=False)
+
+    @classmethod
+    def for_plan(cls, budget_seconds: float, started_at: float, planned_total: int, *, min_window_steps: int = 1,
+                 used_before: float = 0.0, clock: Callable[[], float] = time.monotonic) -> BudgetReplanner:
+        """Checks every ``REPLAN_EVERY`` of ``planned_total`` steps (fixed when the run is first planned, so a
+        resumed run checks at the same steps), rates over ``RATE_WINDOW`` of it or ``min_window_steps``."""
+        check_every = max(1, round(REPLAN_EVERY * planned_total))
+        window = max(check_every, round(RATE_WINDOW * planned_total), min(min_window_steps, planned_total // 4))
+        return cls(budget_seconds, started_at, check_every, window, used_before, clock=clock)
+
+    def seconds_used(self) -> float:
+        return self.used_before + self.clock() - self.started_at
+
+    def start(self, step: int) -> None:
+        """Mark where the loop starts timing (call right before the first step)."""
+        self._marks.clear()
+        self._marks.append((step, self.clock()))
+
+    def check(self, step: int, total_steps: int) -> Replan | None:
+        """After step ``step`` (the count of steps taken): a re-plan when one is due and the end moved by more
+        than the threshold, else None. The returned total is at least ``step``: equal to it when the budget is
+        spent, and the run stops there."""
+        if step % self.check_every or not self._marks or step <= self._marks[-1][0]:
+            return None
+        now = self.clock()
+        self._marks.append((step, now))
+        while len(self._marks) > 2 and self._marks[1][0] <= step - self.window_steps:
+            self._marks.popleft()
+        first_step, first_time = self._marks[0]
+        seconds_per_step = max(now - first_time, 1e-9) / (step - first_step)
+        remaining = self.budget_seconds - (self.used_before + now - self.started_at)
+        fits = max(0, math.floor(remaining / seconds_per_step))
+        new_total = dist.all_reduce_min_int(step + fits)
+        if abs(new_total - total_steps) <= max(self.threshold * total_steps, 1):  # a step either way is noise
+            return None
+        return Replan(step, total_steps, new_total, seconds_per_step, self.used_before + now - self.started_at,
+                      self.budget_seconds)

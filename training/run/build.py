@@ -67,6 +67,7 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
     dataset = build_dataset(
         cfg.data.source, root=cfg.data.root, split="train", load_size=cfg.data.load_size,
         subset=cfg.data.subset_file, synthetic_size=cfg.data.synthetic_size, seed=cfg.run.seed,
+        image_root=cfg.data.image_root,
     )
     loader, sampler = build_loader(
         dataset, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers, rank=info.rank,

@@ -1,10 +1,10 @@
-"""How long a pretraining run is, decided once, and the schedules sized by that decision.
+"""How long a pretraining run is, and the schedules sized by it: decided before the loop, re-planned by a budget.
 
 A run's length is ``RunLength``: the schedules' total steps and warm-up steps, and the step the loop stops at.
 ``decide_run_length`` is the only place that reads ``optim.epochs``, ``optim.total_steps``,
 ``optim.budget_minutes``, ``optim.warmup_epochs`` and ``run.max_steps`` to fix it, in this order:
 
-1. a resumed checkpoint's stored ``total_steps`` (so ``--resume`` follows the same schedules, budget or not);
+1. a resumed checkpoint's stored plan (so ``--resume`` follows the same schedules, budget or not);
 2. ``optim.total_steps``;
 3. ``optim.budget_minutes``: real optimiser steps on the first batch are timed (``training/run/budget.py``, which
    undoes them) with the schedules' starting values, and the steps that fit in the rest of the budget are kept;
@@ -13,20 +13,25 @@ A run's length is ``RunLength``: the schedules' total steps and warm-up steps, a
 Warm-up lasts ``warmup_epochs`` epochs (official) when the config counts the run in epochs; for a step count or a
 budget it is the same fraction of the run, ``warmup_epochs / epochs``. ``build_schedules`` then turns the length
 into the cosine learning-rate, weight-decay and EMA schedules, which therefore end with the budget.
+
+``RunPlan`` is what the loop holds: the length and the schedules, and for a budget run the ``BudgetReplanner``
+that moves the end (and stretches the schedules) when the measured step time says the budget buys more or fewer
+steps. ``RunPlan.checkpoint_entries`` is what a checkpoint stores of it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from training.config import Config
-from training.run.budget import plan_budget
+from training.run.budget import BudgetReplanner, Replan, plan_budget
 from training.run.build import Run
-from training.run.schedules import Schedules
+from training.run.schedules import ReplannedSchedules, Schedules
 from training.run.step import start_hyperparameters, train_step
 
-__all__ = ["RunLength", "build_schedules", "decide_run_length"]
+__all__ = ["RunLength", "RunPlan", "build_schedules", "decide_run_length", "plan_run"]
 
 log = logging.getLogger("msn.train")
 
@@ -45,16 +50,18 @@ class RunLength:
         return f"{self.total_steps} steps ({self.warmup_steps} warm-up) from {self.decided_by}{stop}"
 
 
-def decide_run_length(run: Run, *, stored_total_steps: int | None, started_at: float) -> RunLength:
-    """The run's length from a resumed checkpoint, the config, or a timed budget.
-
-    ``started_at`` is the ``time.monotonic()`` reading the budget counts from. With a budget this runs (and
-    undoes) a few optimiser steps, so every rank must call it.
-    """
+def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunLength:
+    """The run's first plan, from a resumed checkpoint's entries (``RunPlan.checkpoint_entries``), the config,
+    or a timed budget. ``started_at`` is the ``time.monotonic()`` reading the budget counts from. With a budget
+    this runs (and undoes) a few optimiser steps, so every rank must call it."""
     cfg, steps_per_epoch = run.cfg, run.steps_per_epoch
     optim = cfg.optim
-    if stored_total_steps is not None:
-        total_steps, decided_by = stored_total_steps, "checkpoint"
+    first_plan = (stored or {}).get("run_length")
+    stored_total = (stored or {}).get("total_steps")
+    if first_plan is not None:
+        total_steps, decided_by = first_plan["planned_total"], "checkpoint"
+    elif stored_total is not None:  # checkpoints written before re-planning stored only the count
+        total_steps, decided_by = stored_total, "checkpoint"
     elif optim.total_steps is not None:
         total_steps, decided_by = optim.total_steps, "optim.total_steps"
     elif optim.budget_minutes is not None:
@@ -62,7 +69,9 @@ def decide_run_length(run: Run, *, stored_total_steps: int | None, started_at: f
     else:
         total_steps, decided_by = optim.epochs * steps_per_epoch, "optim.epochs"
     counted_in_epochs = optim.total_steps is None and optim.budget_minutes is None
-    if counted_in_epochs:
+    if first_plan is not None:
+        warmup_steps = first_plan["warmup_steps"]  # fixed when the run was first planned
+    elif counted_in_epochs:
         warmup_steps = int(optim.warmup_epochs * steps_per_epoch)
     else:
         warmup_steps = round(optim.warmup_epochs / optim.epochs * total_steps)
@@ -103,3 +112,74 @@ def build_schedules(cfg: Config, length: RunLength) -> Schedules:
         final_weight_decay=o.final_weight_decay, ema_start=o.ema_start, ema_end=o.ema_end,
         horizon_scale=o.horizon_scale, sharpen_start=cfg.loss.sharpen_start, sharpen_end=cfg.loss.sharpen_end,
     )
+
+
+@dataclass
+class RunPlan:
+    """The loop's length and schedules; a budget run's ``budget`` re-plans both while it runs.
+
+    ``first`` is the length decided before the loop (its total and warm-up fix the base schedules); ``length``
+    is the current one. ``after_step`` is called by every rank after every optimiser step.
+    """
+
+    first: RunLength
+    schedules: ReplannedSchedules
+    max_steps: int | None = None
+    budget: BudgetReplanner | None = None
+
+    @property
+    def length(self) -> RunLength:
+        total = self.schedules.total_steps
+        decided_by = self.first.decided_by
+        if self.schedules.replans:
+            decided_by += f", re-planned {len(self.schedules.replans)}x"
+        return replace(self.first, total_steps=total, stop_at=min(total, self.max_steps or total),
+                       decided_by=decided_by)
+
+    def start(self, step: int) -> None:
+        """Call right before the first step of this process (the budget's rate is timed from here)."""
+        if self.budget is not None:
+            self.budget.start(step)
+
+    def after_step(self, step: int) -> Replan | None:
+        """``step`` steps are done: re-plan when the budget says so (logged); returns the re-plan or None."""
+        if self.budget is None:
+            return None
+        replan = self.budget.check(step, self.schedules.total_steps)
+        if replan is not None:
+            self.schedules = self.schedules.replan(step, replan.new_total)
+            log.info(replan.describe())
+        return replan
+
+    def summary(self) -> str:
+        """How the budget was spent, for the run's last line ('' without a budget)."""
+        if self.budget is None:
+            return ""
+        used, budget = self.budget.seconds_used(), self.budget.budget_seconds
+        return (f"budget {budget / 60:.2f} min, used {used / 60:.2f} min ({100 * used / budget:.1f} %), "
+                f"{len(self.schedules.replans)} re-plans")
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """``total_steps`` (the current length) and ``run_length`` (what rebuilds these schedules on resume)."""
+        return {"total_steps": self.schedules.total_steps, "run_length": {
+            "planned_total": self.schedules.base.total_steps, "warmup_steps": self.schedules.warmup_steps,
+            "replans": [list(r) for r in self.schedules.replans],
+            "budget_seconds_used": self.budget.seconds_used() if self.budget is not None else None,
+        }}
+
+
+def plan_run(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunPlan:
+    """The run's plan: a checkpoint's stored one (``stored``: its ``total_steps`` and ``run_length``), or a new
+    one (``decide_run_length``); with ``optim.budget_minutes``, a ``BudgetReplanner`` for what is left of it."""
+    cfg = run.cfg
+    first = decide_run_length(run, stored=stored, started_at=started_at)
+    stored_plan = (stored or {}).get("run_length") or {}
+    replans = tuple((int(step), int(total)) for step, total in stored_plan.get("replans", ()))
+    schedules = ReplannedSchedules(build_schedules(cfg, first), replans)
+    budget = None
+    if cfg.optim.budget_minutes is not None:
+        budget = BudgetReplanner.for_plan(
+            60 * cfg.optim.budget_minutes, started_at, first.total_steps,
+            min_window_steps=cfg.run.checkpoint_every_steps,
+            used_before=stored_plan.get("budget_seconds_used") or 0.0)
+    return RunPlan(first, schedules, cfg.run.max_steps, budget)

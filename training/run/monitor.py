@@ -1,26 +1,30 @@
-"""Training telemetry on rank 0: a progress bar, ``metrics.jsonl``, optional TensorBoard, collapse warnings.
+"""Watching a run, on rank 0: a progress bar, ``metrics.jsonl``, optional TensorBoard, a kNN probe and collapse.
 
-MSN collapses in two recognisable ways: every image maps to the same few prototypes (the entropy of the mean
-prediction falls towards 0) or every image maps to the same embedding (the per-dimension spread of the
-normalised target embeddings falls towards 0). Both are cheap to watch at every logged step.
+Every logged step writes one JSON record (loss terms, schedules, images/s, the collapse statistics). Two watchers
+add to the same record, so a reader of ``metrics.jsonl`` sees one line per logged step, always with the same core:
+
+- the kNN probe (``training/run/probe.py``), when labels are available: ``knn20_top1`` and ``probe_seconds`` on
+  the steps it ran (every ``run.probe_every_steps`` and the last), also on the progress bar and in TensorBoard;
+- the collapse detector (``training/run/collapse.py``), with or without labels: ``collapse`` and
+  ``collapse_message`` on the step a collapse is confirmed, logged once as a warning. With ``run.stop_on_collapse``
+  every rank agrees to stop there (``should_stop``: one tiny collective per logged step, only with that setting).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-log = logging.getLogger("msn.train")
+from training import distributed as dist
+from training.run.collapse import Collapse, CollapseDetector
+from training.run.probe import KnnProbe
 
-# Fractions of their healthy values below which we call it collapse.
-MIN_PROTOTYPE_USAGE = 0.15  # entropy of the mean prediction / log(K)
-MIN_EMBEDDING_SPREAD = 0.1  # std of normalised embeddings * sqrt(d); ~1 for well-spread embeddings
+log = logging.getLogger("msn.train")
 
 
 class TrainingMonitor:
@@ -31,16 +35,21 @@ class TrainingMonitor:
         enabled: bool,
         total_steps: int,
         start_step: int,
-        num_prototypes: int,
         progress_bar: bool = True,
         tensorboard: bool = False,
+        detector: CollapseDetector | None = None,
+        probe: KnnProbe | None = None,
+        stop_on_collapse: bool = False,
     ):
         self.enabled = enabled
-        self.num_prototypes = num_prototypes
-        self.collapse_warned = False
+        self.detector = detector if enabled else None
+        self.probe = probe if enabled else None
+        self.stop_on_collapse = stop_on_collapse
+        self.collapse: Collapse | None = None  # the first collapse confirmed (rank 0)
+        self.stopped_by: Collapse | str | None = None  # set on every rank when should_stop() says stop
         self._last_time = time.perf_counter()
-        self._last_step = start_step
         self._images_since = 0
+        self._postfix: dict[str, str] = {}
         self.bar = None
         self.writer = None
         if not enabled:
@@ -58,42 +67,58 @@ class TrainingMonitor:
         if self.bar is not None:
             self.bar.update(1)
 
-    def log(self, step: int, epoch: int, values: dict[str, Any]) -> dict[str, Any]:
-        """Write one metrics record; returns it (images/s included)."""
+    def log(self, step: int, epoch: int, values: dict[str, Any], *, final: bool = False) -> dict[str, Any]:
+        """Write one metrics record, with a probe when one is due (always on the ``final`` step) and any collapse
+        confirmed; returns it. images/s counts the training time since the last record, not the probe's."""
+        extra: dict[str, Any] = {}
+        if self.probe is not None:
+            result = self.probe.maybe(step, final=final)
+            if result is not None:
+                extra.update(result.record())
         now = time.perf_counter()
-        elapsed = max(now - self._last_time, 1e-9)
-        record = {"step": step, "epoch": epoch, **values, "images_per_sec": self._images_since / elapsed}
-        self._last_time, self._last_step, self._images_since = now, step, 0
+        elapsed = max(now - self._last_time - extra.get("probe_seconds", 0.0), 1e-9)
+        record = {"step": step, "epoch": epoch, **values, "images_per_sec": self._images_since / elapsed, **extra}
+        self._last_time, self._images_since = now, 0
         if not self.enabled:
             return record
+        if self.detector is not None:
+            collapse = self.detector.update(step, record)
+            if collapse is not None:
+                record.update(collapse.record())
+                self.collapse = self.collapse or collapse
+                log.warning("%s", collapse.message)
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
+        self._show(step, record)
+        return record
+
+    def _show(self, step: int, record: dict[str, Any]) -> None:
+        knn = next((key for key in record if key.startswith("knn") and key.endswith("_top1")), None)
         if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", img_s=f"{record['images_per_sec']:.0f}"
-            )
+            self._postfix.update(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}",
+                                 img_s=f"{record['images_per_sec']:.0f}")
+            if knn is not None:
+                self._postfix[knn.removesuffix("_top1")] = f"{record[knn]:.1f}%"
+            if "collapse" in record:
+                self._postfix["collapse"] = record["collapse"]
+            self.bar.set_postfix(self._postfix)
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "epoch"):
-                    self.writer.add_scalar(f"train/{key}", value, step)
-        self._check_collapse(step, record)
-        return record
+                    group = "probe" if key in (knn, "probe_seconds") else "train"
+                    self.writer.add_scalar(f"{group}/{key}", value, step)
+            if "collapse" in record:
+                self.writer.add_text("collapse", record["collapse_message"], step)
 
-    def _check_collapse(self, step: int, record: dict[str, Any]) -> None:
-        usage = record.get("prototype_usage_entropy", math.log(self.num_prototypes)) / math.log(self.num_prototypes)
-        spread = record.get("embedding_spread", 1.0)
-        if usage < MIN_PROTOTYPE_USAGE or spread < MIN_EMBEDDING_SPREAD:
-            if not self.collapse_warned:
-                log.warning(
-                    "step %d: training looks collapsed (prototype usage %.3f of log K, embedding spread %.3f): "
-                    "check the learning rate, me-max weight and sharpening temperature",
-                    step,
-                    usage,
-                    spread,
-                )
-            self.collapse_warned = True
-        else:
-            self.collapse_warned = False
+    def should_stop(self) -> bool:
+        """True on every rank once rank 0 confirmed a collapse and ``run.stop_on_collapse`` is set. Call it on
+        every rank at every logged step: with that setting it is a collective (ranks agree to stop together)."""
+        if not self.stop_on_collapse:
+            return False
+        if dist.all_reduce_min_int(0 if self.collapse is not None else 1) == 0:
+            self.stopped_by = self.collapse or "collapse on rank 0"
+            return True
+        return False
 
     def write(self, message: str) -> None:
         if not self.enabled:

@@ -20,14 +20,18 @@ Step semantics (what the official loop actually applies at 0-based iteration ``i
 
 Beyond the horizon (only reachable with ``horizon_scale < 1``, where the official generators would raise
 ``StopIteration`` and the official cosine would climb back up) every schedule holds its final value.
+
+A budget run may change its length while it runs (``training/run/budget.py``): ``ReplannedSchedules`` keeps the
+``Schedules`` of the first plan and walks them faster or slower from each re-plan on, so every schedule still ends
+with the run and no value jumps. Warm-up stays in real steps. Without a re-plan it is ``Schedules`` exactly.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["Schedules", "StepHyperparameters"]
+__all__ = ["ReplannedSchedules", "Schedules", "StepHyperparameters", "Stretch"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +131,78 @@ class Schedules:
         # The official generators divide by the unrounded horizon (ipe * epochs * 1.25), not by int(...).
         increment = (end - start) / (self.total_steps * self.horizon_scale)
         return start + increment * min(step, self.horizon)
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """From real step ``start`` on, the schedules are read at ``position + (step - start) * rate``."""
+
+    start: int
+    position: float
+    rate: float
+
+
+@dataclass(frozen=True)
+class ReplannedSchedules:
+    """``base`` (the first plan's schedules) after the re-plans ``replans``: ``(step, new total)`` pairs in order.
+
+    A re-plan at step ``s`` to ``T`` steps maps the real steps from ``max(s, warm-up)`` to ``T - 1`` onto what
+    was left of the base schedules (up to their last step), linearly: the learning-rate and weight-decay cosines and the EMA ramp stretch or
+    shrink to end on step ``T`` and stay continuous. The values are a pure function of the step and the re-plan
+    list, which the checkpoint stores, so a resumed run computes the same values.
+    """
+
+    base: Schedules
+    replans: tuple[tuple[int, int], ...] = ()
+    stretches: tuple[Stretch, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        stretches: tuple[Stretch, ...] = ()
+        previous = self.base.total_steps
+        for step, total in self.replans:
+            if step < 0 or total < step:
+                raise ValueError(f"re-plan to {total} steps at step {step}: expected 0 <= step <= total")
+            if total != previous:
+                stretches = _stretch(stretches, self.base, step, total)
+            previous = total
+        object.__setattr__(self, "stretches", stretches)
+
+    @property
+    def total_steps(self) -> int:
+        return self.replans[-1][1] if self.replans else self.base.total_steps
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.base.warmup_steps
+
+    def position(self, step: int) -> float:
+        """Where on the base schedules real step ``step`` reads (``step`` itself before any stretch)."""
+        return _position(self.stretches, step)
+
+    def at(self, step: int) -> StepHyperparameters:
+        return self.base.at(self.position(step))  # type: ignore[arg-type]  # the schedules accept fractional steps
+
+    def replan(self, step: int, total_steps: int) -> ReplannedSchedules:
+        """These schedules re-planned at real step ``step`` (the next step to run) to end after ``total_steps``."""
+        return ReplannedSchedules(self.base, (*self.replans, (step, total_steps)))
+
+
+def _position(stretches: tuple[Stretch, ...], step: int) -> float:
+    for stretch in reversed(stretches):
+        if step >= stretch.start:
+            return stretch.position + (step - stretch.start) * stretch.rate
+    return step
+
+
+def _stretch(stretches: tuple[Stretch, ...], base: Schedules, step: int, total: int) -> tuple[Stretch, ...]:
+    """The stretches after re-planning at ``step`` to ``total``; warm-up keeps its real steps when it can."""
+    start = max(step, base.warmup_steps)
+    if total <= start:  # the run now ends inside warm-up (or right here): shrink from this step
+        start = step
+    if total <= start:  # no step left to run
+        return stretches
+    position, last = _position(stretches, start), base.total_steps - 1
+    # real steps start .. total - 1 read the base schedules from here to their last step, total_steps - 1
+    stretch = Stretch(start, position, (last - position) / (total - 1 - start)) if total - 1 > start else \
+        Stretch(start, last, 0.0)
+    return (*(s for s in stretches if s.start < start), stretch)

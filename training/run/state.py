@@ -89,20 +89,24 @@ def restore_progress(state: dict[str, Any], *, steps_per_epoch: int, info: dist.
 class TrainState:
     """An MSN run's learnable state and schedule length; ``state_dict`` names every checkpoint key once.
 
-    ``total_steps`` is the schedule's length in optimiser steps. It is fixed when the run starts (from epochs, a
-    step count or a measured wall-clock budget) and stored, so a resumed budget run follows the same schedules.
+    ``length`` is the run's plan (``training.run.length.RunPlan``): its ``checkpoint_entries`` store the current
+    ``total_steps`` and the ``run_length`` behind it (the first plan's total and warm-up, a budget run's re-plans
+    and the seconds of budget used), so a resumed run follows the same schedules. ``stored_length`` holds those
+    entries as read from a checkpoint.
     """
 
     def __init__(self, online: nn.Module, target: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.online, self.target, self.optimizer = online, target, optimizer
-        self.total_steps: int | None = None
+        self.length: Any = None
+        self.stored_length: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        length = self.length.checkpoint_entries() if self.length is not None else {"total_steps": None}
         return {
             "encoder": self.online.net.encoder.state_dict(), "head": self.online.net.head.state_dict(),
             "prototypes": self.online.prototypes.detach().clone(),
             "target_encoder": self.target.encoder.state_dict(), "target_head": self.target.head.state_dict(),
-            "optimizer": self.optimizer.state_dict(), "total_steps": self.total_steps,
+            "optimizer": self.optimizer.state_dict(), **length,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -113,7 +117,8 @@ class TrainState:
         self.target.encoder.load_state_dict(state["target_encoder"])
         self.target.head.load_state_dict(state["target_head"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.total_steps = state.get("total_steps")  # None in checkpoints written before budgets existed
+        # total_steps is None in checkpoints written before budgets existed, run_length before re-planning
+        self.stored_length = {"total_steps": state.get("total_steps"), "run_length": state.get("run_length")}
 
 
 def target_encoder_weights(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -20,7 +20,7 @@ from training.model.msn import ema_update
 from training.run.build import Run
 from training.run.schedules import StepHyperparameters
 
-__all__ = ["StepOutput", "embedding_spread", "start_hyperparameters", "train_step"]
+__all__ = ["StepOutput", "embedding_spread", "start_hyperparameters", "train_step", "usage_entropy"]
 
 
 @dataclass
@@ -37,7 +37,8 @@ class StepOutput:
         """The logged record of this step (reading it syncs with the device, so only log steps call it)."""
         return {"loss": self.loss.item(), **self.terms.summary(), "lr": self.hyper.lr,
                 "weight_decay": self.hyper.weight_decay, "ema_momentum": self.hyper.ema_momentum,
-                "grad_norm": float(self.grad_norm), "embedding_spread": embedding_spread(self.target_z)}
+                "grad_norm": float(self.grad_norm), "embedding_spread": embedding_spread(self.target_z),
+                "target_usage_entropy": usage_entropy(self.terms.target_probs)}
 
 
 def start_hyperparameters(cfg: Config) -> StepHyperparameters:
@@ -83,6 +84,14 @@ def train_step(run: Run, hyper: StepHyperparameters, images: Tensor) -> StepOutp
     run.optimizer.step()
     ema_update(run.target, run.online.net, hyper.ema_momentum, copy_buffers=False)
     return StepOutput(loss.detach(), terms, grad_norm.detach(), target_z.detach(), hyper)
+
+
+@torch.no_grad()
+def usage_entropy(probs: Tensor) -> float:
+    """Entropy of the mean of assignments (B, K), this rank's batch: log K when every prototype is used evenly, 0
+    when all fall on one (training/run/collapse.py reads it)."""
+    mean = probs.float().mean(dim=0)
+    return float(-torch.special.xlogy(mean, mean).sum())
 
 
 @torch.no_grad()
