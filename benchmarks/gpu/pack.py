@@ -110,15 +110,16 @@ def compress(root: Path, out: Path, level: int) -> None:
         tar.add(root, arcname=root.name)
 
 
-def split(payload: Path, out: Path, part_bytes: int, meta: dict) -> dict:
-    """``payload`` as ``out/part-NN/payload.part`` files of at most ``part_bytes``, each with the manifest."""
+def split(payload: Path, out: Path, part_bytes: int, meta: dict, first_part_bytes: int | None = None) -> dict:
+    """``payload`` as ``out/part-NN/payload.part`` files of at most ``part_bytes`` (the first one
+    ``first_part_bytes``: it travels beside the early archive), each with the manifest."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     parts = []
     with payload.open("rb") as f:
         index = 0
-        while chunk := f.read(part_bytes):
+        while chunk := f.read(first_part_bytes or part_bytes if index == 0 else part_bytes):
             folder = out / f"part-{index:02d}"
             folder.mkdir()
             (folder / "payload.part").write_bytes(chunk)
@@ -151,7 +152,8 @@ def pack(wheels: Path, official: Path | None, out: Path, part_mib: float, level:
         early_tar = Path(tmp) / "early.tar.xz"
         compress(early_root, early_tar, level)
         meta["early_sha256"] = sha256(early_tar)
-        manifest = split(tar_path, out, int(part_mib * 2**20), meta)
+        part_bytes = int(part_mib * 2**20)
+        manifest = split(tar_path, out, part_bytes, meta, first_part_bytes=part_bytes - early_tar.stat().st_size)
         (out / "early").mkdir()
         shutil.copy(early_tar, out / "early" / "early.tar.xz")
         (out / "early" / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -165,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--official", type=Path, default=OFFICIAL_MIRROR,
                     help="git directory of facebookresearch/msn (a clone or the fetch tool's mirror)")
     ap.add_argument("--no-official", action="store_true", help="leave the official code out")
-    ap.add_argument("--part-mib", type=float, default=52.0,
-                    help="MiB per part; a call also carries the ~3 MiB tree (and the first, the ~6 MiB early archive)")
+    ap.add_argument("--part-mib", type=float, default=59.0,
+                    help="MiB a call carries beside the ~3 MiB tree (the first part is smaller by the early archive)")
     ap.add_argument("--xz-level", type=int, default=6)
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="msn-gpu-wheels-") as tmp:

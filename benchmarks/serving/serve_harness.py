@@ -58,7 +58,8 @@ def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO,
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "msn_serve"]), "--bundle", str(bundle), "--data-dir", str(data),
                              "--port", str(port), "--log-level", "warning", *args], cwd=src,
-                            env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))},
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
