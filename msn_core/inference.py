@@ -102,8 +102,7 @@ class OrtGraph:
     """One ONNX Runtime session on a graph with the bundle's inputs; :meth:`run` embeds a batch.
 
     Runs are serialised by a lock: callers send one batch at a time anyway, and one CUDA session has one stream;
-    the lock makes concurrent callers safe too. On CUDA the inputs are bound once and the output stays on the device
-    until the single copy back.
+    the lock makes concurrent callers safe too.
     """
 
     runtime = "onnxruntime"
@@ -139,23 +138,15 @@ class OrtGraph:
         return self.session.get_providers()[0]
 
     def run(self, pixels: np.ndarray, keep_idx: np.ndarray) -> np.ndarray:
-        """Embed a batch: ``pixels`` (B,C,H,W) float32, ``keep_idx`` (B,K) int64 with ``-1`` padding -> (B,D)."""
+        """Embed a batch: ``pixels`` (B,C,H,W) float32, ``keep_idx`` (B,K) int64 with ``-1`` padding -> (B,D).
+
+        On CUDA too a plain ``session.run``: binding fresh device copies of the inputs (IOBinding) was no faster
+        on an H100 (docs/benchmarks.md, "The GPU run").
+        """
         feeds = onnx_feeds(self.input_names, pixels, keep_idx)
         with self._lock:
-            if self.device != "cpu":
-                return self._run_iobinding(feeds)
             out = self.session.run([self.output_name], feeds)[0]
         return np.asarray(out, dtype=np.float32)
-
-    def _run_iobinding(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        import onnxruntime as ort
-
-        io = self.session.io_binding()
-        for name, arr in feeds.items():
-            io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, "cuda", self.device_id))
-        io.bind_output(self.output_name, "cuda", self.device_id)
-        self.session.run_with_iobinding(io)
-        return np.asarray(io.copy_outputs_to_cpu()[0], dtype=np.float32)
 
 
 # -------------------------------------------------------------------------------------------------------- OpenVINO

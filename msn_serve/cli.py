@@ -38,6 +38,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-fit-samples", int, "examples in one few-shot fit (413 beyond)"),
     ("max-fit-classes", int, "distinct labels in one few-shot fit (413 beyond)"),
     ("fit-workers", int, "few-shot fit worker processes (fits running at once)"),
+    ("preprocess-threads", int, "threads decoding uploads (0 = 2 on cpu, every core on cuda)"),
     ("max-queued-fits", int, "fits waiting for a worker; beyond that 503 + Retry-After"),
     ("fit-timeout-s", float, "stop a fit after this many seconds (422)"),
     ("fit-threads", int, "threads of each fit"),
@@ -50,6 +51,9 @@ FLAGS: list[tuple[str, type, str]] = [
     ("reload-poll-s", float, "reader: reload when published/CURRENT changes, checked this often (0 = off)"),
     ("publish-interval-s", float, "writer: publish a snapshot this often if anything changed (0 = off)"),
     ("publish-keep", int, "published snapshot versions to keep"),
+    ("url-max-mb", float, "largest image fetched for a URL input of /v1/embeddings (413 beyond)"),
+    ("url-timeout-s", float, "time allowed to fetch one URL input of /v1/embeddings"),
+    ("api-keys-file", str, "keys with scopes, one 'read,write sha256:<hex> name' a line; re-read on change/SIGHUP"),
 ]
 
 
@@ -67,6 +71,8 @@ def parse_args(argv: Sequence[str] | None) -> dict:
                    help="on CUDA, serve the fp32 graph")
     p.add_argument("--read-only", dest="read_only", action="store_true", default=argparse.SUPPRESS,
                    help="read-only replica: refuse writes, serve published snapshots (POST /admin/reload, SIGHUP)")
+    p.add_argument("--allow-url-inputs", dest="allow_url_inputs", action="store_true", default=argparse.SUPPRESS,
+                   help="let /v1/embeddings fetch http(s) URL inputs (public addresses only, no redirects)")
     return {k: v for k, v in vars(p.parse_args(argv)).items()}
 
 

@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     api_key_file: Path | None = Field(None, description="file holding the Bearer API key; unset = no auth")
     api_key: SecretStr | None = Field(None, description="API key given directly (prefer api_key_file)")
+    api_keys_file: Path | None = Field(None, description="keys file: 'scopes key-or-sha256:digest [name]' per line, "
+                                                          "re-read on change or SIGHUP (docs/serving.md)")
     device: Literal["cpu", "cuda"] = "cpu"
     fp16: bool = Field(True, description="on CUDA, run an fp16 variant of the model (fp32 inputs/outputs)")
     precision: Literal["auto", "fp32", "int8", "bf16"] = Field(
@@ -65,6 +67,11 @@ class Settings(BaseSettings):
     max_page: int = Field(10_000, ge=1, description="largest limit of a predict_index page")
     # Few-shot fits run in worker processes, so a long fit never holds the serving process's GIL.
     fit_workers: int = Field(1, ge=1, le=64, description="fit worker processes (fits running at once)")
+    # Uploads are decoded and preprocessed on CPU threads. On a CPU engine they share the cores with inference, so
+    # two; beside a GPU they are what bounds HTTP throughput (a GPU run served 476 images/s with two while the
+    # engine ran thousands), so every core.
+    preprocess_threads: int = Field(0, ge=0, le=256, description="threads decoding and preprocessing uploads "
+                                                                 "(0: 2 on cpu, every core on cuda)")
     max_queued_fits: int = Field(4, ge=0, description="fits waiting for a worker before new ones get 503")
     fit_timeout_s: float = Field(300.0, gt=0.0, description="a fit running longer is stopped (422)")
     # Connections (uvicorn): slow or idle clients cannot hold the server's sockets forever.
@@ -87,6 +94,11 @@ class Settings(BaseSettings):
     publish_interval_s: float = Field(0.0, ge=0.0, description="writer: publish a snapshot this often when the "
                                                                 "state changed; 0 = only on POST /admin/snapshot")
     publish_keep: int = Field(3, ge=1, description="published versions kept (older ones after a grace period)")
+    # URL inputs of POST /v1/embeddings (docs/serving.md, "OpenAI-compatible API"): the server fetches only when
+    # the operator says so, only public addresses, no redirects, bounded in bytes and time.
+    allow_url_inputs: bool = Field(False, description="fetch http(s) URL inputs of /v1/embeddings")
+    url_max_mb: float = Field(16.0, gt=0.0, description="largest image fetched from a URL input (413 beyond)")
+    url_timeout_s: float = Field(10.0, gt=0.0, description="time allowed for fetching one URL input (400 beyond)")
 
     @model_validator(mode="after")
     def _role(self) -> Settings:
@@ -103,7 +115,7 @@ class Settings(BaseSettings):
     def reader(self) -> bool:
         return self.read_only or self.role == "reader"
 
-    @field_validator("bundle", "data_dir", "api_key_file", mode="after")
+    @field_validator("bundle", "data_dir", "api_key_file", "api_keys_file", mode="after")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return None if v is None else v.expanduser()
@@ -136,7 +148,8 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         if data.get("api_key") is not None:
             data["api_key"] = "***redacted***"
-        data["auth"] = "bearer" if (self.api_key_file or self.api_key) else "off"
+        data["auth"] = ("scoped keys" if self.api_keys_file else "bearer" if (self.api_key_file or self.api_key)
+                        else "off")
         return json.dumps(data, sort_keys=True)
 
 

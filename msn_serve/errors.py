@@ -59,6 +59,39 @@ def conflict(message: str) -> ApiError:
     return ApiError(409, message)
 
 
+class ModelMismatch(ApiError):
+    """409: a stored index or classifier was made by another model than the one this server runs.
+
+    Its vectors (or the features it was fitted on) live in that model's embedding space, so searching it with, adding
+    to it from, or predicting with this model's embeddings would answer silently and wrongly. ``detail`` names both
+    ids for programs; the message says what to do.
+    """
+
+    def __init__(self, what: str, name: str, stored: str, serving: str):
+        if what == "index":
+            why = "its vectors are not comparable with this model's"
+            remedy = (f"re-embed it with `msn-index migrate --data-dir DATA_DIR --name {name} --bundle BUNDLE` "
+                      "(server stopped), or delete it and rebuild it")
+        else:
+            why = "it was fitted on that model's embeddings"
+            remedy = "refit it (POST /fewshot/fit with overwrite=true) or delete it"
+        super().__init__(409, f"{what} {name!r} was made with model {stored!r} but this server runs model "
+                              f"{serving!r}: {why}; {remedy}",
+                         {"store_model_id": stored, "server_model_id": serving, "kind": what, "name": name})
+
+
+def model_matches(stored: str | None, serving: str) -> bool:
+    """Whether a store made with ``stored`` may be used by a server running ``serving``. An empty or missing id
+    (stores written before stores were bound to their model) is unknown, not a mismatch, and stays usable."""
+    return not stored or stored == serving
+
+
+def check_model(what: str, name: str, stored: str | None, serving: str) -> None:
+    """Raise :class:`ModelMismatch` unless :func:`model_matches` (the one check every reader of a store uses)."""
+    if not model_matches(stored, serving):
+        raise ModelMismatch(what, name, str(stored), serving)
+
+
 def read_only_replica() -> ApiError:
     return ApiError(403, "this replica is read-only (--read-only / MSN_SERVE_ROLE=reader): send writes to the "
                          "writer, which publishes them with POST /admin/snapshot")

@@ -4,7 +4,10 @@ Python's ``json`` module accepts ``NaN``/``Infinity``, raises ``RecursionError``
 integers longer than 4300 digits, and writes bare ``NaN`` that strict parsers reject. So:
 
 * :func:`loads` parses every *client* text (request body, multipart field, OIP header, ``mask`` parameter); any
-  failure becomes a 4xx naming the field and the reason;
+  failure becomes a 4xx naming the field and the reason. A text over :data:`YIELDING_ABOVE` bytes is parsed with
+  Python-level number hooks: the C scanner never releases the GIL, but a Python call lets the interpreter hand the
+  GIL to another thread every switch interval, so a large body parsed in a worker thread does not stall the event
+  loop (about a third slower; docs/serving.md, "Where request parsing runs");
 * :func:`dumps` writes compact, strict, ASCII-only text: stored metadata, index files and response bodies;
 * :class:`BoundedJson` writes large responses (search results) piece by piece and stops at a byte limit, so the size
   of a response is checked before it is held in memory;
@@ -21,6 +24,15 @@ from typing import Any
 from msn_serve.errors import ApiError, too_large
 
 MAX_DEPTH = 64  # nesting accepted in stored values (metadata); far below the parser's recursion limit
+YIELDING_ABOVE = 1 << 20  # texts longer than this are parsed with the GIL-yielding number hooks
+
+
+def _float(text: str) -> float:
+    return float(text)  # a Python frame: the interpreter may switch threads here
+
+
+def _int(text: str) -> int:
+    return int(text)
 
 
 def _reject_constant(name: str) -> Any:
@@ -30,6 +42,8 @@ def _reject_constant(name: str) -> Any:
 def loads(data: bytes | str, what: str, status: int = 422) -> Any:
     """Parse client JSON; any failure is an :class:`ApiError` with ``status`` naming ``what`` and the reason."""
     try:
+        if len(data) > YIELDING_ABOVE:
+            return json.loads(data, parse_constant=_reject_constant, parse_float=_float, parse_int=_int)
         return json.loads(data, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at position {e.pos}"

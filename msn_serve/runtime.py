@@ -24,7 +24,7 @@ from msn_serve.config import Settings
 from msn_serve.embedding.choice import Request, RuntimeChoice, choose_engine
 from msn_serve.embedding.engine import Engine, InferenceEngine
 from msn_serve.embedding.service import EmbeddingService
-from msn_serve.errors import read_only_replica
+from msn_serve.errors import ModelMismatch, read_only_replica
 from msn_serve.indexes.service import IndexService
 from msn_serve.indexes.store import IndexStore
 from msn_serve.metrics import Metrics
@@ -82,6 +82,9 @@ class Runtime:
         else:
             clean_temp_files(settings.data_dir)
             self.quarantined = classifier_store.load_all() + index_store.load_all()
+            for what, found in (("index", index_store.mismatched()), ("classifier", classifier_store.mismatched())):
+                for name, stored in found.items():  # kept on disk untouched; every call to it answers 409
+                    log.warning("%s", ModelMismatch(what, name, stored, self.info.model_id).message)
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
     def _engine(self, cache_dir: Path) -> tuple[InferenceEngine, RuntimeChoice]:

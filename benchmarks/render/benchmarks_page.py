@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.render import speed
+from benchmarks.render import gpu, speed
 from benchmarks.render.speed import faiss_lines, int8_lines
 from benchmarks.render.text import machine_line
 from benchmarks.render.vits import vits_section
@@ -139,14 +139,14 @@ def render(results: Path) -> str:
                       f"{' --only ' + ' '.join(report['sections']) if report.get('sections') else ''}."), ""]
             lines += serve_section(report)
             if "int8" not in report or "faiss_tuned" not in report:
-                lines += [("These 2-core figures predate issue 15; its int8, tuned-FAISS and HTTP figures were "
+                lines += [("These 2-core figures predate the int8, tuned-FAISS and HTTP measurements, which were "
                            "measured on one core (below). On an idle 2-core machine one command measures them all "
                            "(about an hour): `python -m benchmarks.serving.serve_bench --bundle bundles/bench`, with "
                            "`bundles/bench` exported from a Fashion-MNIST run as in "
                            "[serving.md](serving.md#benchmark)."), ""]
     vits = results / "vits_bench.json"
     if vits.exists() and "quick" not in (report := json.loads(vits.read_text()))["model"]:
-        lines += ["## Serving ViT-S/16 at 224 px (issue 22)", "",
+        lines += ["## Serving ViT-S/16 at 224 px", "",
                   ("`python -m benchmarks.serving.vits_bench`: every runtime and precision `msn-serve` offers on this CPU "
                    "beside torch eager (the reference ceiling), what `--precision auto` serves, and HTTP at 1, 16 "
                    "and 64 clients."), ""]
@@ -166,12 +166,13 @@ def render(results: Path) -> str:
                    "held-out Fashion-MNIST images)."), ""]
         lines += vits_section(report)
     lines += speed.sections(results)
+    lines += gpu.section(results)
     hostile = results / "serve_hostile.json"
     if hostile.exists():
         before = results / "serve_hostile-before.json"
         usage = ("`python -m benchmarks.serving.serve_hostile` (and `--src <tree of the code before> --skip-search "
                  "--out benchmarks/results/serve_hostile-before.json`).")
-        lines += ["## Hostile and heavy requests (issue 12)", "", usage, ""]
+        lines += ["## Hostile and heavy requests", "", usage, ""]
         lines += hostile_section(json.loads(hostile.read_text()),
                                  json.loads(before.read_text()) if before.exists() else None)
     soak = results / "serve_soak.json"

@@ -22,8 +22,10 @@ import numpy as np
 from msn_core.durable import atomic_write, quarantine, remove_durably
 from msn_core.lowshot import LinearClassifier, center_and_normalize, fit_logistic
 from msn_serve.errors import (
+    check_model,
     check_name,
     conflict,
+    model_matches,
     not_found,
     persisting,
     read_only_replica,
@@ -165,6 +167,18 @@ class ClassifierStore:
             raise not_found(f"no classifier named {name!r}")
         return clf
 
+    def bound(self, name: str) -> FewShotClassifier:
+        """The classifier named ``name`` for a prediction: 404 when there is none, 409
+        (:class:`~msn_serve.errors.ModelMismatch`) when it was fitted on another model's embeddings."""
+        clf = self.get(name)
+        check_model("classifier", name, clf.info.get("model_id"), self.model_id)
+        return clf
+
+    def mismatched(self) -> dict[str, str]:
+        """``{name: model_id}`` of the classifiers fitted on another model's embeddings."""
+        return {name: str(clf.info.get("model_id")) for name, clf in self.items.items()
+                if not model_matches(clf.info.get("model_id"), self.model_id)}
+
     def delete(self, name: str) -> None:
         if self.read_only:
             raise read_only_replica()
@@ -174,5 +188,7 @@ class ClassifierStore:
             del self.items[name]
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"name": c.name, "classes": c.classes, **{k: c.info.get(k) for k in ("n", "dim", "lambd", "created")}}
+        return [{"name": c.name, "classes": c.classes, **{k: c.info.get(k) for k in ("n", "dim", "lambd", "created")},
+                 "model_id": c.info.get("model_id"), "model_matches": model_matches(c.info.get("model_id"),
+                                                                                    self.model_id)}
                 for c in sorted(self.items.values(), key=lambda c: c.name)]

@@ -47,7 +47,7 @@ def _excluded(all_ids: np.ndarray, exclude: np.ndarray | None) -> np.ndarray:
 def select(indexes: IndexStore, name: str, *, n: int, strategy: str, seed: int, exclude_ids: np.ndarray | None,
            candidates: int) -> dict[str, Any]:
     """``{"ids", "strategy", "seed", "available", "candidates"}``: ``n`` ids (fewer when fewer are available)."""
-    ids, vecs = _nonempty(indexes.get(name), name)
+    ids, vecs = _nonempty(indexes.bound(name), name)
     covered = _excluded(ids, exclude_ids)
     cand = label_strategies.candidate_positions(len(ids), candidates, seed, covered)
     cov = vecs[covered] if len(covered) else None
@@ -58,7 +58,7 @@ def select(indexes: IndexStore, name: str, *, n: int, strategy: str, seed: int, 
 
 def fit_vectors(indexes: IndexStore, name: str, wanted: np.ndarray) -> np.ndarray:
     """The stored vectors of ``wanted`` ids (422 naming ids the index lacks)."""
-    ids, vecs = stored_vectors(indexes.get(name))
+    ids, vecs = stored_vectors(indexes.bound(name))
     return vecs[positions(ids, wanted, name)]
 
 
@@ -83,7 +83,7 @@ def _probabilities(clf: FewShotClassifier, space: np.ndarray) -> np.ndarray:
 def suggest(indexes: IndexStore, clf: FewShotClassifier, *, index: str, n: int, strategy: str, seed: int,
             exclude_ids: np.ndarray | None, candidates: int) -> dict[str, Any]:
     """Unlabelled ids, most useful first; a classifier's fit ids on this index never come back."""
-    idx = indexes.get(index)
+    idx = indexes.bound(index)
     _check_dims(clf, idx, index)
     ids, vecs = _nonempty(idx, index)
     skip = [exclude_ids] if exclude_ids is not None else []
@@ -159,7 +159,7 @@ class IndexPage:
 def predict_index(indexes: IndexStore, clf: FewShotClassifier, cache: PredictionCache, *, index: str, offset: int,
                   limit: int | None, k: int, order: str, max_page: int, max_results: int) -> IndexPage:
     """One page (``limit`` items from ``offset``, by id or least certain first) of predictions over an index."""
-    idx = indexes.get(index)
+    idx = indexes.bound(index)
     _check_dims(clf, idx, index)
     k, limit = min(k, len(clf.classes)), limit or min(DEFAULT_PAGE, max_page)
     check_results(limit, k, max_results)

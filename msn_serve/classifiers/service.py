@@ -90,7 +90,7 @@ class ClassifierService:
 
     async def predict(self, name: str, inputs: Inputs, k: int) -> Predictions:
         """Top-``k`` classes (capped at the class count) of each image or vector."""
-        clf = self.get(name)
+        clf = self.store.bound(name)  # 409 when fitted on another model's embeddings
         check_results(inputs.count, min(k, len(clf.classes)), self.settings.max_results_per_request)
         x = await self.embedding.vectors(inputs, "embeddings", self.embed_dim)
         top, prob = await self.work.run(clf.top_k, x, k)
@@ -107,7 +107,7 @@ class ClassifierService:
     async def suggest(self, name: str, *, index: str, n: int, strategy: str, seed: int,
                       exclude_ids: np.ndarray | None) -> dict[str, Any]:
         """The next ids of ``index`` to label for classifier ``name``."""
-        clf = self.get(name)
+        clf = self.store.bound(name)
         return await self.work.run(lambda: label_loop.suggest(
             self.indexes.store, clf, index=index, n=n, strategy=strategy, seed=seed, exclude_ids=exclude_ids,
             candidates=self.settings.select_candidates))
@@ -115,7 +115,7 @@ class ClassifierService:
     async def predict_index(self, name: str, *, index: str, offset: int, limit: int | None, k: int,
                             order: str) -> label_loop.IndexPage:
         """One page of classifier ``name``'s predictions over the items of ``index``."""
-        clf, s = self.get(name), self.settings
+        clf, s = self.store.bound(name), self.settings
         return await self.work.run(lambda: label_loop.predict_index(
             self.indexes.store, clf, self.predictions, index=index, offset=offset, limit=limit, k=k, order=order,
             max_page=s.max_page, max_results=s.max_results_per_request))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from msn_core.bundle import BundleInfo
+from msn_core.inference import available_cpus
 from msn_serve.config import Settings
 from msn_serve.embedding.batcher import Batcher
 from msn_serve.embedding.engine import InferenceEngine
@@ -49,7 +50,8 @@ class EmbeddingService:
         self.batcher: Batcher | None = None
         self.warmed = False
         self.warmup_error: str | None = None
-        self._pre_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="msn-pre")
+        threads = settings.preprocess_threads or (available_cpus() if engine.device != "cpu" else 2)
+        self._pre_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="msn-pre")
 
     def start(self) -> None:
         s = self.settings

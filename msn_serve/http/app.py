@@ -8,10 +8,11 @@ errors (reshaped to ``{"error": ..., "detail": [...]}``) — because OIP clients
 """
 from __future__ import annotations
 
+import asyncio
 import errno
-import hmac
 import json
 import logging
+import signal
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,7 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from msn_serve.config import Settings
 from msn_serve.errors import ApiError, storage_error
-from msn_serve.http import oip, routes
+from msn_serve.http import oip, openai_api, routes
+from msn_serve.http.auth import OPEN, KeyRing, route_scope
 from msn_serve.http.responses import StrictJSONResponse
 from msn_serve.metrics import MetricsMiddleware
 from msn_serve.runtime import Runtime
@@ -49,26 +51,45 @@ class _BodyTooLarge(ApiError):
 
 
 class GuardMiddleware:
-    """Bearer auth (all but health endpoints) and a hard request-body cap, before any parsing happens.
+    """Bearer auth with scopes (all but health endpoints; :mod:`msn_serve.http.auth`) and a hard request-body cap,
+    before any parsing happens.
 
-    The cap checks ``Content-Length`` up front and also counts streamed bytes, so chunked uploads cannot exceed it.
+    A path that matches no route of the scope table needs an admin key (then 404/405). The cap checks
+    ``Content-Length`` up front and also counts streamed bytes, so chunked uploads cannot exceed it.
     """
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    def __init__(self, app: ASGIApp, *, keys: KeyRing, max_body: int):
+        self.app, self.keys, self.max_body = app, keys, max_body
+
+    async def _refused(self, scope: Scope, send: Send) -> bool:
+        """Answer 401/403 (and say so) unless the request's key has the scope its route needs."""
+        if not self.keys.enabled or scope["path"] in OPEN_PATHS:
+            return False
+        need, template = route_scope(scope["method"], scope["path"])
+        if need == OPEN:
+            return False
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        key = self.keys.lookup(token.strip()) if scheme.lower() == "bearer" and token.strip() else None
+        if key is None:
+            status, body = 401, {"error": "missing or invalid API key (send 'Authorization: Bearer <key>')"}
+        elif need not in key.scopes:
+            route = f"{scope['method']} {template or scope['path']}"
+            status, body = 403, {"error": f"this API key lacks the '{need}' scope that {route} needs"
+                                          + ("" if template else " (a path outside the scope table)"),
+                                 "missing_scope": need}
+        else:
+            return False
+        for m in _json(status, body, {"WWW-Authenticate": "Bearer"} if status == 401 else None):
+            await send(m)
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                for m in _json(401, {"error": "missing or invalid API key (send 'Authorization: Bearer <key>')"},
-                               {"WWW-Authenticate": "Bearer"}):
-                    await send(m)
-                return
+        if await self._refused(scope, send):
+            return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             for m in _json(413, {"error": f"request body of {int(length)} bytes exceeds the limit of "
@@ -119,12 +140,30 @@ def _document_model_names(app: FastAPI, model_id: str) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _reload_keys_on_sighup(keys: KeyRing, runtime: Runtime) -> None:
+    """SIGHUP re-reads the keys file too; the runtime's own SIGHUP work (a reader's reload) still runs."""
+    if keys.keys_file is None:
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_sighup() -> None:
+        keys.reload(force=True)
+        runtime._spawn(runtime.snapshots.on_sighup())  # what Runtime.start installed for SIGHUP
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (in-process test clients)
+        log.info("SIGHUP key reload not installed (event loop not in the main thread)")
+
+
 def create_app(settings: Settings) -> FastAPI:
     runtime = Runtime(settings)
+    keys = KeyRing(runtime.api_key, settings.api_keys_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await runtime.start()
+        _reload_keys_on_sighup(keys, runtime)
         if runtime.quarantined:
             log.error("quarantined at start-up (see %s/quarantine): %s", settings.data_dir, runtime.quarantined)
         try:
@@ -197,6 +236,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(oip.router)
     _document_model_names(app, runtime.info.model_id)
     # Added last = outermost: metrics also count the 401/413 answers the guard gives.
-    app.add_middleware(GuardMiddleware, api_key=runtime.api_key, max_body=settings.max_body_bytes)
+    app.add_middleware(GuardMiddleware, keys=keys, max_body=settings.max_body_bytes)
+    openai_api.install(app)  # outside the guard: its 401/413 on /v1 get OpenAI's error shape
     app.add_middleware(MetricsMiddleware, metrics=runtime.metrics)
     return app

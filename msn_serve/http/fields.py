@@ -70,9 +70,10 @@ def matrix(value: Any, limit: int, setting: str) -> np.ndarray | None:
     if not all(isinstance(row, list) for row in value):
         raise ValueError("expected a list of vectors (lists of numbers)")
     try:
-        raw = np.asarray(value)
-        if raw.dtype.kind not in "iufO" or raw.ndim != 2:
+        rows = [np.asarray(row) for row in value]  # row by row: a parser thread hands back the GIL in between
+        if any(r.dtype.kind not in "iufO" or r.ndim != 1 or len(r) != len(rows[0]) for r in rows):
             raise TypeError
+        raw = np.stack(rows)
         arr = raw.astype(np.float64)  # object arrays hold ints too large for int64; 10**400 overflows here
     except OverflowError:
         raise ValueError("a number is too large to be a float (|x| <= 3.4e38)") from None

@@ -28,6 +28,7 @@ import numpy as np
 
 from msn_core.durable import fsync_path, lock_data_dir, remove_durably
 from msn_serve.errors import NAME_RE
+from msn_serve.indexes import migrate as migrate_cli
 from msn_serve.indexes.config import IndexConfig, search_params
 from msn_serve.indexes.files import write_index_dir
 from msn_serve.indexes.tuning import GB, Plan, choose, plans, select
@@ -235,6 +236,7 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             for line in (corpus.root / s["paths"]).read_text().splitlines():
                 row = json.loads(line)
                 metadata[int(row["id"])] = {key: row[key] for key in ("path", "label") if row.get(key) is not None}
+        info["image_base"] = corpus.manifest.get("base")  # where the paths point (msn-index migrate re-embeds them)
     info.update(config=asdict(cfg), total_s=round(time.perf_counter() - t_start, 3))
     staging = out.parent / f".{out.name}.{time.time_ns()}.tmp"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +258,8 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="msn-index", description="Build FAISS indexes for msn-serve from msn-embed "
-                                "output (parameters chosen for a memory budget and a target recall).")
+                                "output (parameters chosen for a memory budget and a target recall), or migrate "
+                                "one to another model.")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="train, fill and write an index")
     b.add_argument("--embeddings", type=Path, required=True, help="msn-embed output directory (manifest.json)")
@@ -282,7 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--threads", type=int, default=0, help="FAISS OpenMP threads (0 = all cores)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
+    migrate_cli.add_parser(sub)
     args = p.parse_args(argv)
+    if args.command == "migrate":
+        return migrate_cli.run(args)
     if not 0 < args.target_recall <= 1 or args.memory_budget_gb <= 0 or args.k < 1 or args.queries < 1:
         p.error("--target-recall must be in (0, 1], --memory-budget-gb > 0, --k and --queries >= 1")
     try:

@@ -60,6 +60,8 @@ class IndexService:
         if self.read_only:
             raise read_only_replica()
         idx = self.store.find(name)
+        if idx is not None:
+            self.store.bound(name)  # 409 before any embedding when another model made it
         dim = idx.cfg.dim if idx is not None else self.embedding.info.embed_dim
         vecs = await self.embedding.vectors(inputs, "vectors", dim)
         if idx is None:
@@ -69,8 +71,9 @@ class IndexService:
 
     async def search(self, name: str, inputs: Inputs, *, k: int, nprobe: int | None = None,
                      ef_search: int | None = None) -> SearchHits:
-        """The ``k`` nearest neighbours (``k`` capped at the index size) of each query image or vector."""
-        idx = self.get(name)
+        """The ``k`` nearest neighbours (``k`` capped at the index size) of each query image or vector (also for
+        vectors sent as is: the index holds another model's vectors when its model differs, a 409)."""
+        idx = self.store.bound(name)
         s = self.settings
         queries = inputs.count
         if queries > s.max_queries_per_search:
@@ -85,6 +88,6 @@ class IndexService:
     async def remove(self, name: str, ids: np.ndarray) -> dict[str, Any]:
         if self.read_only:
             raise read_only_replica()
-        idx = self.get(name)
+        idx = self.store.bound(name)
         out = await self.work.run(idx.remove, ids)
         return {"name": name, **out, "ntotal": idx.ntotal}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from msn_core.durable import quarantine, remove_durably
-from msn_serve.errors import conflict, not_found, persisting, read_only_replica
+from msn_serve.errors import check_model, conflict, model_matches, not_found, persisting, read_only_replica
 from msn_serve.indexes import gpu as index_gpu
 from msn_serve.indexes.config import config_from_spec
 from msn_serve.indexes.managed import ManagedIndex
@@ -61,8 +61,21 @@ class IndexStore:
             raise not_found(f"no index named {name!r}")
         return idx
 
+    def bound(self, name: str) -> ManagedIndex:
+        """The index named ``name`` for a search, a write or the label loop: 404 when there is none, 409
+        (:class:`~msn_serve.errors.ModelMismatch`) when another model made it. Stats and drop use :meth:`get`."""
+        idx = self.get(name)
+        check_model("index", name, idx.cfg.model_id, self.model_id)
+        return idx
+
+    def mismatched(self) -> dict[str, str]:
+        """``{name: model_id}`` of the indexes another model made (refused until migrated or dropped)."""
+        return {name: idx.cfg.model_id for name, idx in self.indexes.items()
+                if not model_matches(idx.cfg.model_id, self.model_id)}
+
     def describe(self) -> list[dict[str, Any]]:
-        return [idx.stats() for idx in list(self.indexes.values())]
+        return [{**idx.stats(), "model_matches": model_matches(idx.cfg.model_id, self.model_id)}
+                for idx in list(self.indexes.values())]
 
     def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False) -> ManagedIndex:
         if self.read_only:
@@ -98,8 +111,14 @@ class IndexStore:
                         self.indexes.pop(name, None)
 
     def close(self) -> None:
+        foreign = self.mismatched()
         for idx in self.indexes.values():
             try:
+                if idx.path.name in foreign and idx.wal is not None:  # another model's index: left byte for byte
+                    with idx.lock:
+                        idx.wal.close()
+                        idx.closed = True
+                    continue
                 idx.close()
             except Exception:
                 log.exception("closing index %s", idx.path.name)

@@ -1,0 +1,248 @@
+"""``msn-index migrate``: re-embed an index for another model from the images it was built from.
+
+An index holds one model's vectors; a server running another model refuses it (409, :class:`ModelMismatch`). When
+the index kept each image's path as metadata (``msn-index build --store-paths``, or ``{"path": ...}`` metadata sent
+with ``POST /index/{name}/add``), this tool embeds those images again with the new bundle, through the server's own
+engine and preprocessing (so the vectors are exactly what ``msn-serve`` computes; no torch), and replaces the index
+**in place**: the new index is written in a hidden staging directory, the old directory is moved to
+``<data-dir>/backups/indexes/<name>.<old model>.<time>`` and the new one renamed into its place (a crash between the
+two renames leaves the index absent and the backup whole; rerun the tool or move the backup back). The options, ids
+and metadata stay; only ``model_id`` (and ``dim``, if the width changed) change.
+
+Ids without a stored path, or whose file cannot be read, cannot be re-embedded: they are counted and listed, nothing
+is changed, and the exit status is 1, unless ``--allow-partial`` writes the index without them (still exit status 1,
+with the counts). The server must be stopped (the data directory's lock is taken).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from msn_core.bundle import load_bundle_info
+from msn_core.durable import fsync_path, lock_data_dir, remove_durably
+from msn_serve.errors import ApiError
+from msn_serve.indexes.config import IndexConfig, build_index
+from msn_serve.indexes.files import INDEX_FILE, decode_record, read_index_dir, write_index_dir
+from msn_serve.indexes.metadata import Metadata
+from msn_serve.indexes.wal import WriteAheadLog
+
+BATCH = 64
+MAX_PIXELS = 40_000_000  # msn-serve's default max_image_pixels
+
+
+class MigrateError(Exception):
+    """Unusable input or options; reported as one line."""
+
+
+def read_contents(path: Path) -> tuple[IndexConfig, list[int], dict[int, Any]]:
+    """``(config, ids, {id: metadata value})`` of a writer's index directory, read without changing a byte (the
+    snapshot or built files, then the WAL's records replayed on the id set and metadata only)."""
+    cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
+    ids: set[int] = set()
+    meta: dict[int, Any] = {}
+    seq = 0
+    if (path / "snapshot.npz").exists():
+        with np.load(path / "snapshot.npz", allow_pickle=False) as z:
+            head = json.loads(bytes(z["meta"]).decode())
+            ids = set(np.asarray(z["ids"], dtype=np.int64).tolist())
+        meta, seq = {int(k): v for k, v in head["metadata"].items()}, int(head["seq"])
+        if "config" in head:
+            cfg = IndexConfig(**head["config"])
+    elif (path / INDEX_FILE).exists():
+        _, _, id_arr, meta, seq = read_index_dir(path, mmap=True)
+        ids = set(id_arr.tolist())
+    records, _, _ = WriteAheadLog.read(path / "wal.log")  # a torn or bad tail: the valid prefix, as msn-serve does
+    for rseq, payload in records:
+        if rseq <= seq:
+            continue
+        op, rec_ids, _, texts = decode_record(payload)
+        for j, i in enumerate(rec_ids.tolist()):
+            if op == "add":
+                ids.add(i)
+                text = None if texts is None else texts[j]
+                meta.pop(i, None)
+                if text is not None:
+                    meta[i] = json.loads(text)
+            else:
+                ids.discard(i)
+                meta.pop(i, None)
+    return cfg, sorted(ids), meta
+
+
+def image_base(path: Path, given: Path | None) -> Path | None:
+    """Where relative paths point: ``--image-root``, else the folder ``msn-index build`` recorded."""
+    if given is not None:
+        return given
+    info = path / "build_info.json"
+    if info.is_file():
+        base = json.loads(info.read_text()).get("image_base")
+        return Path(base) if base else None
+    return None
+
+
+def stored_path(value: Any, base: Path | None) -> Path | None:
+    if not isinstance(value, dict) or not isinstance(value.get("path"), str) or not value["path"]:
+        return None
+    p = Path(value["path"])
+    return p if p.is_absolute() or base is None else base / p
+
+
+def embed_files(bundle: Path, files: list[tuple[int, Path]], threads: int
+                ) -> tuple[str, int, list[int], np.ndarray, dict[int, str]]:
+    """``(model_id, dim, embedded ids, vectors, {id: why not})`` through msn-serve's engine and preprocessing."""
+    from msn_serve.embedding.engine import Engine  # onnxruntime only when there is something to embed
+    from msn_serve.embedding.preprocess import preprocess_bytes
+
+    info = load_bundle_info(bundle)
+    engine = Engine(info, intra_op_threads=threads)
+    keep = np.arange(info.num_patches, dtype=np.int64)
+    done, chunks, failed = [], [], {}
+    for lo in range(0, len(files), BATCH):
+        pixels, batch_ids = [], []
+        for i, file in files[lo:lo + BATCH]:
+            try:
+                pixels.append(preprocess_bytes(file.read_bytes(), info.preprocessing, max_pixels=MAX_PIXELS,
+                                               what=str(file)))
+                batch_ids.append(i)
+            except (OSError, ApiError) as e:
+                failed[i] = f"{file}: {getattr(e, 'message', None) or e}"
+        if pixels:
+            x = np.stack(pixels)
+            chunks.append(np.asarray(engine.run(x, np.broadcast_to(keep, (len(x), keep.size)).copy()), np.float32))
+            done += batch_ids
+    vecs = np.concatenate(chunks) if chunks else np.zeros((0, info.embed_dim), np.float32)
+    return info.model_id, int(info.embed_dim), done, vecs, failed
+
+
+def fill(cfg: IndexConfig, ids: list[int], vecs: np.ndarray) -> faiss.Index:
+    index = build_index(cfg)
+    v = np.ascontiguousarray(vecs, dtype=np.float32)
+    if cfg.normalize and len(v):
+        v = v.copy()
+        faiss.normalize_L2(v)
+    if not index.is_trained:
+        if len(v) < max(cfg.nlist, 1):
+            raise MigrateError(f"a {cfg.type} index trains on its vectors: {len(v)} re-embedded, it needs at least "
+                               f"nlist={cfg.nlist}")
+        index.train(v)
+    if len(v):
+        index.add_with_ids(v, np.asarray(ids, dtype=np.int64))
+    return index
+
+
+def migrate(args: argparse.Namespace) -> int:
+    path = args.data_dir / "indexes" / args.name
+    if not (path / "config.json").is_file():
+        raise MigrateError(f"{path}: no such index (expected DATA_DIR/indexes/NAME/config.json)")
+    try:
+        lock = lock_data_dir(args.data_dir, owner="msn-serve")
+    except OSError as e:
+        raise MigrateError(f"{e}: stop msn-serve first, then start it again to load the migrated index") from None
+    try:
+        return _migrate(args, path)
+    finally:
+        os.close(lock)
+
+
+def _migrate(args: argparse.Namespace, path: Path) -> int:
+    cfg, ids, meta = read_contents(path)
+    target = load_bundle_info(args.bundle).model_id
+    if cfg.model_id == target:
+        print(f"msn-index: index {args.name!r} was already made with model {target!r}; nothing to do", file=sys.stderr)
+        return 0
+    base = image_base(path, args.image_root)
+    files, missing = [], {}
+    for i in ids:
+        p = stored_path(meta.get(i), base)
+        if p is None:
+            missing[i] = "no stored path (metadata without a \"path\")"
+        else:
+            files.append((i, p))
+    if files:
+        model_id, dim, done, vecs, failed = embed_files(args.bundle, files, args.threads)
+    else:
+        dim = int(load_bundle_info(args.bundle).embed_dim)
+        model_id, done, vecs, failed = target, [], np.zeros((0, dim), np.float32), {}
+    lost = {**missing, **failed}
+    summary = (f"{len(ids)} ids: {len(done)} re-embedded, {len(missing)} without a stored path, "
+               f"{len(failed)} unreadable")
+    if lost and not args.allow_partial:
+        _report_lost(lost)
+        print(f"msn-index: error: cannot migrate index {args.name!r} completely ({summary}); nothing was changed "
+              "(--allow-partial writes it without those ids)", file=sys.stderr)
+        return 1
+    new_cfg = replace(cfg, model_id=model_id, dim=dim)
+    index = fill(new_cfg, done, vecs)
+    kept = {i: meta[i] for i in done if i in meta}
+    backup = _swap(path, args.data_dir, new_cfg, index, done, kept, old_model=cfg.model_id)
+    print(json.dumps({"name": args.name, "from_model": cfg.model_id, "to_model": model_id, "ids": len(ids),
+                      "re_embedded": len(done), "without_path": len(missing), "unreadable": len(failed),
+                      "backup": str(backup)}))
+    if lost:
+        _report_lost(lost)
+        print(f"msn-index: warning: index {args.name!r} migrated without {len(lost)} ids ({summary}); old index "
+              f"kept in {backup}", file=sys.stderr)
+        return 1
+    print(f"msn-index: index {args.name!r} migrated to model {model_id!r} ({summary}); old index kept in {backup}",
+          file=sys.stderr)
+    return 0
+
+
+def _report_lost(lost: dict[int, str], shown: int = 10) -> None:
+    for i, why in list(lost.items())[:shown]:
+        print(f"msn-index: cannot re-embed id {i}: {why}", file=sys.stderr)
+    if len(lost) > shown:
+        print(f"msn-index: ... and {len(lost) - shown} more", file=sys.stderr)
+
+
+def _swap(path: Path, data_dir: Path, cfg: IndexConfig, index: faiss.Index, ids: list[int], meta: dict[int, Any],
+          *, old_model: str) -> Path:
+    """Write the new index in a staging directory, move the old one to the backups, rename the new one in."""
+    staging = path.with_name(f".{path.name}.{time.time_ns()}.tmp")  # removed by msn-serve's start-up clean-up
+    extra = {}
+    if (path / "build_info.json").is_file():
+        extra["build_info.json"] = (path / "build_info.json").read_bytes()
+    try:
+        write_index_dir(staging, asdict(cfg), index, np.asarray(ids, dtype=np.int64), Metadata.coerce(meta), 0,
+                        extra=extra)
+    except BaseException:
+        if staging.exists():
+            remove_durably(staging)
+        raise
+    backups = data_dir / "backups" / "indexes"
+    backups.mkdir(parents=True, exist_ok=True)
+    backup = backups / f"{path.name}.{old_model or 'unknown'}.{time.strftime('%Y%m%dT%H%M%S')}"
+    os.rename(path, backup)
+    os.rename(staging, path)
+    for d in (backups, path.parent):
+        fsync_path(d)
+    return backup
+
+
+def add_parser(sub: Any) -> None:
+    m = sub.add_parser("migrate", help="re-embed an index for another model from its images' stored paths")
+    m.add_argument("--data-dir", type=Path, required=True, help="msn-serve data directory (server stopped)")
+    m.add_argument("--name", required=True, help="index name")
+    m.add_argument("--bundle", type=Path, required=True, help="the bundle msn-serve will run")
+    m.add_argument("--image-root", type=Path, help="where relative paths point (default: the folder msn-index "
+                   "build recorded)")
+    m.add_argument("--allow-partial", action="store_true", help="write the index without the ids that cannot be "
+                   "re-embedded (exit status still 1)")
+    m.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0 = all cores)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return migrate(args)
+    except (MigrateError, ValueError) as e:  # BundleError is a ValueError
+        print(f"msn-index: error: {e}", file=sys.stderr)
+        return 2
