@@ -1,5 +1,6 @@
 # The two commands the README promises: `make demo` and `make test`. Both set everything up themselves,
-# idempotently: a .venv with the pinned CPU torch, the project and its extras, and the Fashion-MNIST files.
+# idempotently: a .venv with the pinned torch (on these machines the local CPU wheel of that version), the project and
+# its extras, and the Fashion-MNIST files.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv

@@ -1,8 +1,8 @@
 """What the CPU under us can do, read from the kernel rather than assumed.
 
 The machines this project runs on change between an AVX2-only AMD EPYC, an AMD EPYC with AVX512-BF16/VNNI and an
-Intel Xeon with AMX: bf16 matrix multiplies measured ~2.2x (AVX512-BF16, Zen 4) and ~6x (AMX) faster than fp32 on
-the last two, and slower than fp32 on the first. Training (``run.precision: auto``, also the RCDM decoder's) decides
+Intel Xeon with AMX: bf16 matrix multiplies are several times faster than fp32 on the last two and slower than fp32
+on the first (docs/benchmarks.md has the measured ratios). Training (``run.precision: auto``, also the RCDM decoder's) decides
 from this one reading, and it is where a serving runtime choice should read the CPU too. ``MSN_CPU_FLAGS`` (a
 space-separated flag list) replaces the reading, so tests and users can simulate another CPU, e.g.
 ``MSN_CPU_FLAGS="avx2 fma"`` to force the fp32 path on an AMX machine.

@@ -66,7 +66,7 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
     """Fit the low-shot classifier on raw features (normalised here); ``labels`` may be ints or strings.
 
     One thread by default: cyanure ships its own OpenMP runtime, and after a multi-threaded fit torch's OpenMP
-    regions in the same process crawl (a 3-step decoder training went from 0.7 s to over 5 minutes); low-shot
+    regions in the same process crawl (a few decoder training steps took minutes instead of a second); low-shot
     problems are small enough that threads gain little.
 
     Raises ``ValueError`` for unusable input (shape mismatch, NaN, fewer than two classes, ``lambd <= 0``) and when

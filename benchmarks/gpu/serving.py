@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import machine, save_json
+from benchmarks.serving.vits_bench import timed_rounds as timed
 
 IMAGENET = {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
             "channels": 3, "interpolation": "bicubic"}
@@ -105,17 +106,6 @@ class TorchForward:
             out = read_feature(self.encoder, self.spec, torch.from_numpy(pixels).to(self.device), keep_t,
                                keep_t >= 0)
         return out.float().cpu().numpy()
-
-
-def timed(runners: dict, pixels: np.ndarray, keep: np.ndarray, rounds: int, runs: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, runner in runners.items():
-            for _ in range(runs):
-                t0 = time.perf_counter()
-                runner.run(pixels, keep)
-                times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -70,7 +70,7 @@ def serve_section(report: dict) -> list[str]:
 
 
 def hostile_section(after: dict, before: dict | None) -> list[str]:
-    """Issue 12's hostile and heavy requests: this code, and the code before the fix when measured."""
+    """Hostile and heavy requests: this code, and the code before the fix when measured."""
     lines = [f"Machine: {machine_line(after['machine'])}. {after.get('note', '')}".rstrip(), ""]
     search = after.get("hostile_search")
     if search:

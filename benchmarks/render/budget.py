@@ -37,7 +37,7 @@ def render_budget(result: dict) -> str:
                  f"{run['epochs']} epochs)")
         feature = ev.get(f"{name}-lowshot", {}).get("feature")
         rows.append((name, label + (f": served `{feature}`" if feature else "")))
-        if f"{name}-cls-lowshot" in ev:  # the paper's protocol beside the served feature (issue 21 on)
+        if f"{name}-cls-lowshot" in ev:  # the paper's protocol beside the served feature (newer results)
             rows.append((f"{name}-cls", f"MSN, {minutes:g} min: paper's `cls_pre_norm`"))
     rows += [("random_init", "random-init ViT"), ("pixels", "raw pixels")]
 

@@ -1,5 +1,5 @@
 """Serving-speed sections of docs/benchmarks.md: int8 vs fp32, tuned FAISS at a million vectors, the one- and two-core
-serve_bench runs and the profile of the ``/embed`` path (issue 15)."""
+serve_bench runs and the profile of the ``/embed`` path."""
 from __future__ import annotations
 
 import json
@@ -135,7 +135,7 @@ def sections(results: Path) -> list[str]:
     two = results / "serve_bench-2core.json"
     if two.exists():
         report = json.loads(two.read_text())
-        lines += ["## Serving speed on two idle cores (issue 15)", "",
+        lines += ["## Serving speed on two idle cores", "",
                   (f"`python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name} "
                    f"--only {' '.join(report['sections'])} --out benchmarks/results/serve_bench-2core.json`, "
                    "with nothing else running."), ""]
@@ -143,14 +143,14 @@ def sections(results: Path) -> list[str]:
     one = results / "serve_bench-1core.json"
     if one.exists():
         report = json.loads(one.read_text())
-        lines += ["## Serving speed on one core (issue 15)", "",
+        lines += ["## Serving speed on one core", "",
                   (f"`taskset -c 1 python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name} "
                    f"--only {' '.join(report['sections'])} --client-procs 1` (with `OMP_NUM_THREADS=1`)."), ""]
         lines += one_core_section(report)
     faiss = results / "faiss_1m-2core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())
-        lines += _faiss_section(report, "### FAISS at a million vectors, two cores (issue 22)",
+        lines += _faiss_section(report, "### FAISS at a million vectors, two cores",
                                 f"`python -m benchmarks.serving.faiss_bench --kinds {' '.join(report['kinds'])} --corpora "
                                 f"{' '.join(c['corpus'] for c in report['faiss_tuned'])}`, nothing else running.")
     faiss = results / "faiss_1m-1core.json"

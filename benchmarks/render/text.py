@@ -7,7 +7,7 @@ def machine_line(machine: dict) -> str:
     cores = machine.get("cpu_count") or machine.get("cores_visible")
     if cores:
         parts.append(f"{cores} cores visible")
-    if machine.get("cpu_flags"):  # the flags that decide bf16/int8 speed (recorded since issue 21)
+    if machine.get("cpu_flags"):  # the flags that decide bf16/int8 speed (recorded in newer results)
         parts.append("flags " + " ".join(machine["cpu_flags"]))
     if machine.get("torch"):
         parts.append(f"torch {machine['torch']}")

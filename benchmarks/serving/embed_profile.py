@@ -1,4 +1,4 @@
-"""Where the HTTP ``/embed`` path spends its CPU at 64 single-image clients (issue 15, part 4).
+"""Where the HTTP ``/embed`` path spends its CPU at 64 single-image clients.
 
 Two measurements, printed and written as JSON with the machine:
 

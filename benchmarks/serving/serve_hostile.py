@@ -1,4 +1,4 @@
-"""The figures of issue 12's hostile and heavy requests, measured on a real msn-serve process.
+"""The figures of hostile and heavy requests, measured on a real msn-serve process.
 
     python -m benchmarks.serving.serve_hostile   # this checkout
     python -m benchmarks.serving.serve_hostile --src /tmp/old-tree --skip-search \

@@ -93,7 +93,8 @@ def pretrain_step(work: Path, budget: str, seed: int) -> Step:
         load_before, start = os.getloadavg()[0], time.monotonic()
         subprocess.run(command, cwd=REPO, check=True)
         atomic_write_json(run_dir / "done.json", {"wall_minutes": (time.monotonic() - start) / 60,
-                                                  "load_before": load_before, "load_after": os.getloadavg()[0]})
+                                                  "load_before": load_before, "load_after": os.getloadavg()[0],
+                                                  **trainer_budget(run_dir / "checkpoint.pt")})
 
     return Step(f"pretrain --data (budget {budget})", command, [run_dir / "done.json"], run)
 
@@ -112,6 +113,16 @@ def build_plan(work: Path, budget: str, seed: int, limit: int | None) -> list[St
                                pixels_source=BUNDLE))
         steps.append(eval_step(work, bundle, "knn", extra, pixels_source=BUNDLE))
     return steps
+
+
+def trainer_budget(checkpoint: Path) -> dict:
+    """The trainer's own account of its budget (the checkpoint's run length): seconds used, the first plan and how
+    often it re-planned. torchrun's wall clock above also counts process start-up and imports."""
+    import torch
+
+    length = torch.load(checkpoint, map_location="cpu", weights_only=False).get("run_length") or {}
+    return {"trainer_budget_seconds_used": length.get("budget_seconds_used"),
+            "planned_total_steps": length.get("planned_total"), "replans": len(length.get("replans", []))}
 
 
 def collect(work: Path, budget: str, seed: int) -> dict:

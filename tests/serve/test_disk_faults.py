@@ -2,7 +2,7 @@
 delete, snapshot, create, IVF training and classifier save/delete: nothing acknowledged is lost, nothing is
 duplicated, nothing is quarantined, and a retry once the disk is free gives exactly the intended state.
 
-Issue 12, defect 2: a failed WAL append left its bytes in the write buffer and its sequence number taken; after
+A failed WAL append left its bytes in the write buffer and its sequence number taken; after
 freeing space and retrying the same ids the index held duplicates (search returned [560, 560]) and a restart
 quarantined it with all 601 acknowledged vectors.
 """

@@ -1,4 +1,4 @@
-"""Issue 12's heavy requests against real servers: long few-shot fits (defect 3), large 16-bit images (defect 5) and
+"""Heavy requests against real servers: long few-shot fits (defect 3), large 16-bit images (defect 5) and
 slow or excess connections (defect 9)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12's hostile requests, each reproduced exactly against a real server: every one is a 4xx naming the
+"""Hostile requests, each reproduced exactly against a real server: every one is a 4xx naming the
 problem, memory stays bounded, and the server stays up (defects 1, 4, 6, 7 and 8)."""
 from __future__ import annotations
 

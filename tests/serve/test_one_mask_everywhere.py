@@ -1,4 +1,4 @@
-"""One mask specification keeps the same patches in every package (issue 13).
+"""One mask specification keeps the same patches in every package.
 
 ``{"ratio": 0.7, "seed": 1}`` goes through msn_core, a real ``msn-serve`` process (``/embed`` and the Open Inference
 Protocol, over HTTP), OIP's parser, the visualizer's mask function and ``msn-visualize sample``'s specification,
