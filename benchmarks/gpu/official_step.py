@@ -11,8 +11,8 @@ clipping, AdamW, the EMA update.
 What differs from a run of the official trainer, and why: the views are random tensors already on the GPU (the
 official loader makes them in CPU workers, outside its own step timer, which is what this measures too); the
 schedulers are not stepped (they change values, not cost); ``--precision bf16`` wraps the forward passes and the
-loss in ``torch.autocast`` (the official code trains in fp32 only: it has no autocast). torchvision, which only
-the official data pipeline imports, is replaced by an empty stand-in when absent (CPU dry runs).
+loss in ``torch.autocast`` (the official code trains in fp32 only: it has no autocast). The official data pipeline
+(the only user of torchvision) is replaced by an empty stand-in.
 
     python -m benchmarks.gpu.official_step --official /tmp/msn-gpu/payload/official_msn --precision bf16
 """
@@ -32,12 +32,11 @@ def import_official(root: Path):
     if not (root / "src" / "msn_train.py").is_file():
         raise FileNotFoundError(f"no official MSN sources under {root} (python -m benchmarks.gpu.pack)")
     sys.path.insert(0, str(root))
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent, or the CUDA build beside a CPU torch: the step never uses it
-        stub = types.ModuleType("src.data_manager")
-        stub.init_data = stub.make_transforms = None
-        sys.modules["src.data_manager"] = stub
+    # The official data pipeline (src/data_manager.py, torchvision) is never used by the step: an empty stand-in
+    # keeps torchvision out of the process (its PyPI build fails to import beside a CPU torch).
+    stub = types.ModuleType("src.data_manager")
+    stub.init_data = stub.make_transforms = None
+    sys.modules["src.data_manager"] = stub
     import src.msn_train as official
     return official
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from tests.training import test_pretrain
 from training.bundle import export, to_official
 from training.bundle.convert import kwargs_to_hf_config, official_head, official_to_ours, ours_to_hf
 from training.bundle.sources import encoder_from_training_checkpoint
@@ -32,15 +33,7 @@ from training.model.msn import build_networks
 from training.model.vit import VisionTransformer, encoder_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
-PRETRAIN = str(REPO / "training" / "pretrain.py")
-TINY = [
-    "data.source=synthetic", "data.synthetic_size=64", "data.load_size=16", "data.batch_size=8",
-    "data.num_workers=0", "model.arch=vit_tiny", "model.image_size=16", "model.patch_size=4",
-    "model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.head_hidden_dim=64",
-    "model.head_out_dim=16", "model.num_prototypes=32", "mask.focal_size=8", "mask.num_focal=2",
-    "mask.ratio=0.5", "optim.epochs=3", "optim.warmup_epochs=1", "run.log_every_steps=1",
-    "run.progress_bar=false",
-]
+PRETRAIN, TINY = test_pretrain.PRETRAIN, test_pretrain.TINY  # the same tiny run as the pretraining tests
 
 
 def _pretrain(output_dir: Path, extra: list[str], *flags: str, check: bool = True) -> subprocess.CompletedProcess:
