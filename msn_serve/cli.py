@@ -11,7 +11,9 @@ from pydantic import ValidationError
 from msn_serve.config import Settings
 
 FLAGS: list[tuple[str, type, str]] = [
-    ("bundle", str, "exported bundle directory (msn-export output)"),
+    ("bundle", str, ("exported bundle directory (msn-export output), served as model 'default'; or NAME=PATH, "
+                     "repeatable, to serve several models (the first is the default model)")),
+    ("models-dir", str, "serve every subfolder holding msn.json as a model named after it (re-read on SIGHUP)"),
     ("data-dir", str, "directory for classifiers and indexes (created if missing)"),
     ("host", str, "bind address (default 127.0.0.1)"),
     ("port", int, "TCP port (default 8000; 0 = any free port)"),
@@ -60,12 +62,14 @@ FLAGS: list[tuple[str, type, str]] = [
 def parse_args(argv: Sequence[str] | None) -> dict:
     p = argparse.ArgumentParser(prog="msn-serve", description="Serve an MSN bundle: embeddings, few-shot "
                                 "classifiers, FAISS search, Open Inference Protocol. Every flag can also be "
-                                "set as MSN_SERVE_<NAME> (e.g. MSN_SERVE_MAX_BATCH_SIZE=64).")
+                                "set as MSN_SERVE_<NAME> (e.g. MSN_SERVE_MAX_BATCH_SIZE=64; "
+                                "MSN_SERVE_BUNDLE=a=/models/a,b=/models/b).")
     for name, typ, help_ in FLAGS:
         extra = {"choices": ["cpu", "cuda"]} if name == "device" else {}
         extra = {"choices": ["writer", "reader"]} if name == "role" else extra
         extra = {"choices": ["auto", "fp32", "int8", "bf16"]} if name == "precision" else extra
         extra = {"choices": ["auto", "onnxruntime", "openvino"]} if name == "runtime" else extra
+        extra = {"action": "append"} if name == "bundle" else extra
         p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_, **extra)
     p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,
                    help="on CUDA, serve the fp32 graph")

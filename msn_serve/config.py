@@ -7,11 +7,13 @@ the services share against these limits live here too (:func:`check_results`).
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from msn_core.lowshot import DEFAULT_LAMBD
 from msn_serve.errors import too_large
@@ -22,7 +24,13 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MSN_SERVE_", extra="forbid")
 
-    bundle: Path = Field(description="exported bundle directory (model.onnx + msn.json)")
+    # One bundle (``PATH``, served as model ``default``) or several (``NAME=PATH``, the first is the default model);
+    # the environment variable may hold a comma-separated list (docs/serving.md, "Several models").
+    bundle: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="exported bundle directory (model.onnx + msn.json), or NAME=PATH, "
+                                          "repeatable (the first is the default model)")
+    models_dir: Path | None = Field(None, description="every subfolder holding msn.json is a model named after it "
+                                                       "(re-read on SIGHUP by the writer)")
     data_dir: Path = Field(Path("msn-data"), description="where classifiers and indexes are persisted")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -111,14 +119,43 @@ class Settings(BaseSettings):
             raise ValueError("runtime openvino is CPU-only here; device cuda runs ONNX Runtime's CUDA provider")
         return self
 
+    @field_validator("bundle", mode="before")
+    @classmethod
+    def _bundles(cls, v: Any) -> list[str]:
+        """A path, a comma-separated text (the environment variable) or a list of ``PATH`` / ``NAME=PATH``."""
+        if isinstance(v, (str, Path)):
+            v = [v]
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("expected a bundle path, NAME=PATH, or a list of them")  # noqa: TRY004
+        out = []
+        for item in v:
+            out += [part.strip() for part in str(item).split(",") if part.strip()] if isinstance(item, str) \
+                else [str(item)]
+        return out
+
     @property
     def reader(self) -> bool:
         return self.read_only or self.role == "reader"
 
-    @field_validator("bundle", "data_dir", "api_key_file", "api_keys_file", mode="after")
+    @field_validator("data_dir", "api_key_file", "api_keys_file", "models_dir", mode="after")
     @classmethod
     def _expand(cls, v: Path | None) -> Path | None:
         return None if v is None else v.expanduser()
+
+    def model_specs(self) -> list[ModelSpec]:
+        """The models to load at start-up: ``--bundle`` ones in order, then the models directory's (by name);
+        ``ValueError`` naming the problem (no model, a bad or repeated name)."""
+        specs = [parse_bundle_spec(text, single=len(self.bundle) == 1) for text in self.bundle]
+        if self.models_dir is not None:
+            specs += models_in(self.models_dir)
+        if not specs:
+            raise ValueError("no model to serve: give --bundle PATH, --bundle NAME=PATH (repeatable) or --models-dir")
+        seen: set[str] = set()
+        for spec in specs:
+            if spec.name in seen:
+                raise ValueError(f"model name {spec.name!r} given twice")
+            seen.add(spec.name)
+        return specs
 
     def resolved_api_key(self) -> str | None:
         """The configured key (file wins over the direct value); stripped of the trailing newline editors add."""
@@ -160,3 +197,42 @@ def check_results(queries: int, k: int, limit: int) -> None:
     if queries * k > limit:
         raise too_large(f"{queries} queries x k={k} = {queries * k} results exceed the limit of {limit} "
                         "(max_results_per_request); send fewer queries or a smaller k")
+
+
+DEFAULT_MODEL = "default"  # the name of a single bundle given without one
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to serve: its name, its bundle directory, and where it came from (``bundle``: the command line or the
+    environment; ``dir``: the models directory, re-read on SIGHUP; ``admin``: ``PUT /admin/models``)."""
+
+    name: str
+    bundle: Path
+    source: str = "bundle"
+
+
+def check_model_name(name: str) -> str:
+    """``name`` if it is a valid model name (``ValueError`` otherwise): path-safe, and not a bare ``.`` or ``..``,
+    which URL normalisation would eat from ``/v2/models/{name}``."""
+    if not MODEL_NAME_RE.fullmatch(name) or set(name) == {"."}:
+        raise ValueError(f"invalid model name {name[:80]!r}: must match {MODEL_NAME_RE.pattern} and not be only dots")
+    return name
+
+
+def parse_bundle_spec(text: str, *, single: bool = True) -> ModelSpec:
+    """``NAME=PATH`` or ``PATH`` (named ``default`` when it is the only bundle, else after its folder)."""
+    name, sep, path = text.partition("=")
+    if sep and MODEL_NAME_RE.fullmatch(name):
+        return ModelSpec(check_model_name(name), Path(path).expanduser())
+    path_ = Path(text).expanduser()
+    return ModelSpec(DEFAULT_MODEL if single else check_model_name(path_.name), path_)
+
+
+def models_in(directory: Path) -> list[ModelSpec]:
+    """Every subfolder of ``directory`` that holds ``msn.json``, by name (``ValueError`` if it is no directory)."""
+    if not directory.is_dir():
+        raise ValueError(f"models directory {directory} does not exist or is not a directory")
+    return [ModelSpec(check_model_name(p.name), p, "dir") for p in sorted(directory.iterdir())
+            if p.is_dir() and (p / "msn.json").is_file() and not p.name.startswith(".")]

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 # Used with fullmatch: a ``$`` anchor would also accept a trailing newline ("abc\n" became a directory).
@@ -59,34 +59,46 @@ def conflict(message: str) -> ApiError:
     return ApiError(409, message)
 
 
+Serving = str | Collection[str]  # the model id a server runs, or the ids of all the models it runs
+
+
+def _ids(serving: Serving) -> list[str]:
+    return [serving] if isinstance(serving, str) else list(serving)
+
+
 class ModelMismatch(ApiError):
-    """409: a stored index or classifier was made by another model than the one this server runs.
+    """409: a stored index or classifier was made by a model this server does not run.
 
     Its vectors (or the features it was fitted on) live in that model's embedding space, so searching it with, adding
-    to it from, or predicting with this model's embeddings would answer silently and wrongly. ``detail`` names both
-    ids for programs; the message says what to do.
+    to it from, or predicting with another model's embeddings would answer silently and wrongly. ``detail`` names the
+    ids for programs (``server_model_id``: the default model's; ``served_model_ids``: every model's); the message says
+    what to do.
     """
 
-    def __init__(self, what: str, name: str, stored: str, serving: str):
+    def __init__(self, what: str, name: str, stored: str, serving: Serving):
+        ids = _ids(serving)
         if what == "index":
             why = "its vectors are not comparable with this model's"
             remedy = (f"re-embed it with `msn-index migrate --data-dir DATA_DIR --name {name} --bundle BUNDLE` "
-                      "(server stopped), or delete it and rebuild it")
+                      "(server stopped), load that model (PUT /admin/models/NAME), or delete it and rebuild it")
         else:
             why = "it was fitted on that model's embeddings"
-            remedy = "refit it (POST /fewshot/fit with overwrite=true) or delete it"
-        super().__init__(409, f"{what} {name!r} was made with model {stored!r} but this server runs model "
-                              f"{serving!r}: {why}; {remedy}",
-                         {"store_model_id": stored, "server_model_id": serving, "kind": what, "name": name})
+            remedy = "refit it (POST /fewshot/fit with overwrite=true), load that model, or delete it"
+        runs = f"model {ids[0]!r}" if len(ids) == 1 else "models " + ", ".join(map(repr, ids))
+        super().__init__(409, f"{what} {name!r} was made with model {stored!r} but this server runs {runs}: "
+                              f"{why}; {remedy}",
+                         {"store_model_id": stored, "server_model_id": ids[0] if ids else None,
+                          "served_model_ids": ids, "kind": what, "name": name})
 
 
-def model_matches(stored: str | None, serving: str) -> bool:
-    """Whether a store made with ``stored`` may be used by a server running ``serving``. An empty or missing id
-    (stores written before stores were bound to their model) is unknown, not a mismatch, and stays usable."""
-    return not stored or stored == serving
+def model_matches(stored: str | None, serving: Serving) -> bool:
+    """Whether a store made with ``stored`` may be used by a server running ``serving`` (one id, or all the ids it
+    runs). An empty or missing id (stores written before stores were bound to their model) is unknown, not a
+    mismatch, and stays usable (with the default model)."""
+    return not stored or stored in _ids(serving)
 
 
-def check_model(what: str, name: str, stored: str | None, serving: str) -> None:
+def check_model(what: str, name: str, stored: str | None, serving: Serving) -> None:
     """Raise :class:`ModelMismatch` unless :func:`model_matches` (the one check every reader of a store uses)."""
     if not model_matches(stored, serving):
         raise ModelMismatch(what, name, str(stored), serving)

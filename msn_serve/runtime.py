@@ -1,9 +1,13 @@
-"""The running service: builds the three services from the settings and the bundle, and owns their lifecycle.
+"""The running service: builds the services from the settings and the models, and owns their lifecycle.
 
 :class:`Runtime` is what the HTTP edge holds (``app.state.runtime``): start/stop, warm-up, readiness, the SIGHUP and
-periodic publish/reload tasks, and the read-only replica rule. It holds no request policy itself; those live in
-:class:`~msn_serve.embedding.service.EmbeddingService`, :class:`~msn_serve.classifiers.service.ClassifierService`,
-:class:`~msn_serve.indexes.service.IndexService` and :class:`~msn_serve.snapshots.Snapshots`.
+periodic publish/reload tasks, and the read-only replica rule. It is the process-level part (settings, the data
+directory's lock, the work pool, the index and classifier stores, snapshots); the per-model part (bundle, engine,
+runtime choice, batcher) lives in :mod:`msn_serve.embedding.models`, one
+:class:`~msn_serve.embedding.models.ServedModel` per name in :attr:`Runtime.models`. It holds no request policy
+itself; those live in :class:`~msn_serve.embedding.service.EmbeddingService`,
+:class:`~msn_serve.classifiers.service.ClassifierService`, :class:`~msn_serve.indexes.service.IndexService` and
+:class:`~msn_serve.snapshots.Snapshots`.
 """
 from __future__ import annotations
 
@@ -15,16 +19,15 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from msn_core.bundle import ONNX_FILE, BundleInfo, load_bundle_info
+from msn_core.bundle import BundleInfo
 from msn_core.durable import clean_temp_files, lock_data_dir
-from msn_core.hardware import cpu_info
 from msn_serve.classifiers.fewshot import ClassifierStore
 from msn_serve.classifiers.service import ClassifierService
-from msn_serve.config import Settings
-from msn_serve.embedding.choice import Request, RuntimeChoice, choose_engine
-from msn_serve.embedding.engine import Engine, InferenceEngine
+from msn_serve.config import ModelSpec, Settings, check_model_name
+from msn_serve.embedding.choice import RuntimeChoice
+from msn_serve.embedding.models import ModelRegistry, load_model
 from msn_serve.embedding.service import EmbeddingService
-from msn_serve.errors import ModelMismatch, read_only_replica
+from msn_serve.errors import ModelMismatch, read_only_replica, unprocessable
 from msn_serve.indexes.service import IndexService
 from msn_serve.indexes.store import IndexStore
 from msn_serve.metrics import Metrics
@@ -35,20 +38,23 @@ log = logging.getLogger("msn_serve")
 
 
 class Runtime:
-    """One process's service: the bundle, the metrics, the three services, snapshots and background tasks.
+    """One process's service: the models, the metrics, the services, snapshots and background tasks.
 
     A writer locks its data directory and loads (quarantining what cannot be read) its indexes and classifiers; a
     read-only replica never writes to the (possibly read-only) volume and takes no lock, so N readers share it, and
-    it serves the newest published snapshot.
+    it serves the newest published snapshot with one model (the published manifest names one model).
     """
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.metrics = Metrics()
-        self.info: BundleInfo = load_bundle_info(settings.bundle, need=(ONNX_FILE,))
+        specs = settings.model_specs()
         self.api_key = settings.resolved_api_key()
         self.read_only = settings.reader
         if self.read_only:
+            if len(specs) > 1 or settings.models_dir is not None:
+                raise ValueError("a read-only replica serves one model (the one its writer publishes with); "
+                                 "give one --bundle and no --models-dir")
             if not settings.data_dir.is_dir():
                 raise OSError(f"read-only replica: data directory {settings.data_dir} does not exist")
             cache_dir = Path(tempfile.gettempdir()) / "msn-serve-cache"
@@ -56,23 +62,19 @@ class Runtime:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             self._dir_lock = lock_data_dir(settings.data_dir, owner="msn-serve")
             cache_dir = settings.data_dir / "cache"
-        engine, self.runtime_choice = self._engine(cache_dir)
-        self.metrics.model_info.labels(self.info.model_id, engine.precision, engine.device, engine.runtime).set(1)
-        for name, figures in self.runtime_choice.candidates.items():
-            if "images_per_s" in figures:
-                self.metrics.runtime_candidates.labels(name).set(figures["images_per_s"])
+        self.models = ModelRegistry(settings, self.metrics, cache_dir, on_change=self._bind_stores)
+        for spec in specs:  # one at a time: each may measure its runtime candidates
+            self.models.install(load_model(spec, settings, self.metrics, cache_dir))
         index_store, classifier_store = self._open_stores()
         self.work = WorkPool()
-        self.embedding = EmbeddingService(settings, self.info, engine, self.metrics)
-        self.indexes = IndexService(settings, index_store, embedding=self.embedding, work=self.work,
+        self.indexes = IndexService(settings, index_store, models=self.models, work=self.work,
                                     read_only=self.read_only)
-        self.classifiers = ClassifierService(settings, classifier_store, embedding=self.embedding,
-                                             indexes=self.indexes, work=self.work, metrics=self.metrics,
-                                             read_only=self.read_only)
-        self.snapshots = Snapshots(data_dir=settings.data_dir, model_id=self.info.model_id,
-                                   embed_dim=self.info.embed_dim, device=settings.device, keep=settings.publish_keep,
-                                   read_only=self.read_only, indexes=self.indexes, classifiers=self.classifiers,
-                                   work=self.work)
+        self.classifiers = ClassifierService(settings, classifier_store, models=self.models, indexes=self.indexes,
+                                             work=self.work, metrics=self.metrics, read_only=self.read_only)
+        self._bind_stores()
+        self.snapshots = Snapshots(data_dir=settings.data_dir, model=lambda: self.info, device=settings.device,
+                                   keep=settings.publish_keep, read_only=self.read_only, indexes=self.indexes,
+                                   classifiers=self.classifiers, work=self.work)
         self.quarantined: list[str] = []
         if self.read_only:
             try:
@@ -84,32 +86,41 @@ class Runtime:
             self.quarantined = classifier_store.load_all() + index_store.load_all()
             for what, found in (("index", index_store.mismatched()), ("classifier", classifier_store.mismatched())):
                 for name, stored in found.items():  # kept on disk untouched; every call to it answers 409
-                    log.warning("%s", ModelMismatch(what, name, stored, self.info.model_id).message)
+                    log.warning("%s", ModelMismatch(what, name, stored, self.models.served).message)
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
-    def _engine(self, cache_dir: Path) -> tuple[InferenceEngine, RuntimeChoice]:
-        """CUDA: ONNX Runtime's CUDA provider (its fp16 variant gated inside); CPU: the measured choice."""
-        s = self.settings
-        if s.device == "cuda":
-            engine = Engine(self.info, device="cuda", intra_op_threads=s.intra_op_threads, fp16=s.fp16,
-                            cache_dir=cache_dir, precision="fp32")
-            how = "cuda" if engine.device == "cuda" else "cuda requested, no CUDA provider: ONNX Runtime on CPU"
-            return engine, RuntimeChoice(engine.runtime, engine.precision, how, cpu_info().describe())
-        request = Request(precision=s.precision, runtime=s.runtime, threads=s.intra_op_threads,
-                          max_batch_size=s.max_batch_size)
-        return choose_engine(self.info, request, cache_dir=cache_dir)
+    # ---- the default model (what a request naming none uses; the one model of a one-bundle server) -------------
+    @property
+    def info(self) -> BundleInfo:
+        return self.models.default.info
+
+    @property
+    def embedding(self) -> EmbeddingService:
+        return self.models.default.embedding
+
+    @property
+    def runtime_choice(self) -> RuntimeChoice:
+        return self.models.default.choice
 
     def _open_stores(self) -> tuple[IndexStore, ClassifierStore]:
         """Empty stores: a writer's working files (loaded after the temp-file clean-up); a reader's stay empty until
         the first published version loads (a reader never reads the writer's working files)."""
-        s, model_id = self.settings, self.info.model_id
+        s, model_id, dim = self.settings, self.info.model_id, self.info.embed_dim
         if self.read_only:
-            return (IndexStore(s.data_dir, default_dim=self.info.embed_dim, model_id=model_id, read_only=True,
-                               device=s.device),
+            return (IndexStore(s.data_dir, default_dim=dim, model_id=model_id, read_only=True, device=s.device),
                     ClassifierStore(s.data_dir, model_id, read_only=True))
-        return (IndexStore(s.data_dir, default_dim=self.info.embed_dim, model_id=model_id,
-                           compact_mb=s.wal_compact_mb, metadata_mb=s.max_index_metadata_mb, device=s.device),
+        return (IndexStore(s.data_dir, default_dim=dim, model_id=model_id, compact_mb=s.wal_compact_mb,
+                           metadata_mb=s.max_index_metadata_mb, device=s.device),
                 ClassifierStore(s.data_dir, model_id))
+
+    def _bind_stores(self) -> None:
+        """Point the stores at the models served now: the ids they accept, and the default for new stores."""
+        if not hasattr(self, "classifiers"):
+            return  # still starting: the stores are bound once they exist
+        default = self.models.default.info
+        for store in (self.indexes.store, self.classifiers.store):
+            store.served, store.model_id = self.models.served, default.model_id
+        self.indexes.store.default_dim = default.embed_dim
 
     @property
     def role(self) -> str:
@@ -121,17 +132,23 @@ class Runtime:
             raise read_only_replica()
 
     async def start(self) -> None:
-        self.embedding.start()
+        for model in self.models.models.values():
+            await model.start(self.work.executor, wait=False)
         loop = asyncio.get_running_loop()
-        loop.create_task(self.embedding.warm_up(self.work.executor), name="msn-warmup")
-        # SIGHUP = reload on a reader; on the writer it is logged and ignored (its default action would kill it).
         try:
-            loop.add_signal_handler(signal.SIGHUP, lambda: self._spawn(self.snapshots.on_sighup()))
+            loop.add_signal_handler(signal.SIGHUP, lambda: self._spawn(self.on_sighup()))
         except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (in-process test clients)
             log.info("SIGHUP handler not installed (event loop not in the main thread)")
         period = self.settings.reload_poll_s if self.read_only else self.settings.publish_interval_s
         if period > 0:
             self._spawn(self.snapshots.every(period))
+
+    async def on_sighup(self) -> None:
+        """A reader reloads the published snapshot; a writer re-reads ``--models-dir`` when it has one."""
+        if not self.read_only and self.settings.models_dir is not None:
+            await self.models.rescan(self.settings.models_dir, None)
+            return
+        await self.snapshots.on_sighup()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -141,13 +158,29 @@ class Runtime:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await self.embedding.stop()
+        await self.models.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.indexes.store.close)
         self.classifiers.close()
         self.work.shutdown(wait=True)
 
-    async def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """``(ready, detail)`` for ``/readyz`` and the OIP health routes."""
-        ready, detail = await self.embedding.readiness()
-        detail["runtime_choice"] = self.runtime_choice.describe()
-        return ready, detail
+    async def readiness(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
+        """``(ready, detail)`` for ``/readyz`` and the OIP health routes: every model, or the one named."""
+        return await self.models.readiness(model)
+
+    # ---- model management (PUT/DELETE /admin/models/{name}) ------------------------------------------------------
+    async def put_model(self, name: str, bundle: Any) -> dict[str, Any]:
+        """Add or replace model ``name`` with the bundle at ``bundle`` (a path on the server)."""
+        self.require_writer()
+        try:
+            check_model_name(name)
+        except ValueError as e:
+            raise unprocessable(str(e)) from None
+        if not isinstance(bundle, str) or not bundle.strip():
+            raise unprocessable('send {"bundle": "/path/to/bundle"}: the bundle directory on the server')
+        # Warmed on the loop's default threads, not the work pool: searches and store writes keep their two threads.
+        return await self.models.put(ModelSpec(name, Path(bundle).expanduser(), "admin"), None)
+
+    async def remove_model(self, name: str) -> dict[str, Any]:
+        self.require_writer()
+        return await self.models.remove(name)
+

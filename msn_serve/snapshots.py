@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from msn_core.bundle import BundleInfo
 from msn_serve.classifiers.service import ClassifierService
 from msn_serve.errors import ApiError, conflict
 from msn_serve.indexes.service import IndexService
@@ -26,9 +28,11 @@ log = logging.getLogger("msn_serve")
 class Snapshots:
     """Publish (writer) and reload (reader) of versioned snapshots under ``<data-dir>/published``."""
 
-    def __init__(self, *, data_dir: Path, model_id: str, embed_dim: int, device: str, keep: int, read_only: bool,
+    def __init__(self, *, data_dir: Path, model: Callable[[], BundleInfo], device: str, keep: int, read_only: bool,
                  indexes: IndexService, classifiers: ClassifierService, work: WorkPool):
-        self.data_dir, self.model_id, self.embed_dim, self.device = data_dir, model_id, embed_dim, device
+        """``model``: the default model's bundle facts now (a writer's default model can be replaced while it
+        serves; a version is published under the id of the default model of the moment)."""
+        self.data_dir, self.model, self.device = data_dir, model, device
         self.keep, self.read_only = keep, read_only
         self.indexes, self.classifiers, self.work = indexes, classifiers, work
         self.version: str | None = None  # reader: the published version it serves
@@ -45,7 +49,8 @@ class Snapshots:
         async with self._lock:
             signature = self._signature()
             manifest = await self.work.run(lambda: publish(
-                self.data_dir, self.indexes.store, self.classifiers.store, model_id=self.model_id, keep=self.keep))
+                self.data_dir, self.indexes.store, self.classifiers.store, model_id=self.model().model_id,
+                keep=self.keep))
             self._published_signature = signature
             return manifest
 
@@ -69,8 +74,9 @@ class Snapshots:
                             self.data_dir)
             return {"changed": False, "version": previous}
         t0 = time.perf_counter()
-        indexes, classifiers, _ = load_version(self.data_dir, version, model_id=self.model_id, device=self.device,
-                                               default_dim=self.embed_dim)
+        info = self.model()
+        indexes, classifiers, _ = load_version(self.data_dir, version, model_id=info.model_id, device=self.device,
+                                               default_dim=info.embed_dim)
         # Two reference swaps; a request that already looked up an index or classifier keeps using that object.
         self.indexes.store, self.classifiers.store, self.version = indexes, classifiers, version
         seconds = round(time.perf_counter() - t0, 3)

@@ -200,12 +200,14 @@ def test_serving_rooms_import_no_service_root_and_no_http(graph, room):
 # bottom row may import each other (the cycle test keeps that one way). A unit missing here fails the test below: a
 # new module or sub-package of msn_serve takes its place here and in docs/architecture.md's prose.
 MSN_SERVE_ROWS = [
+    ("client",),  # the Python client: HTTP only, imports nothing else of msn_serve, and nothing imports it
     ("__main__",),
     ("cli",),
     ("http",),  # validates requests, calls the services with plain arguments, renders the results
     ("runtime",),  # builds the services from the settings and the bundle, starts and stops them
     ("snapshots",),  # read-only replicas reload what the one writer published
     ("publish",),  # the writer publishes classifiers and indexes
+    ("corpus",),  # msn-embed: a corpus through the engine into shards (and an index), offline
     ("classifiers",),  # few-shot classifiers and the label loop, over the indexes' vectors
     ("indexes",),  # named FAISS indexes, filled from embeddings
     ("embedding",),  # images in, embeddings out

@@ -3,22 +3,30 @@
 A checkpoint is written with :func:`msn_core.durable.atomic_write` (temporary file, fsync, rename, fsync of the
 directory), so a crash (or SIGKILL) at any moment leaves either the previous checkpoint or the new one.
 Everything stored is plain tensors, numbers, strings, lists and dicts: it loads with ``weights_only=True``.
+
+Restarts: :func:`launch_id` names one launch of a run (kept across torchrun's restarts of its workers), so a
+restarted worker resumes only a checkpoint its own launch wrote; :func:`fault_point` is the test hook that kills a
+process at a chosen step or inside a checkpoint write (``MSN_TEST_KILL_AT``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
+import signal
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from msn_core.durable import atomic_write
+from msn_core.durable import atomic_write, atomic_write_json
 
-__all__ = ["capture_rng_state", "copy_checkpoint", "file_sha256", "load_checkpoint", "restore_rng_state",
-           "save_checkpoint"]
+__all__ = ["capture_rng_state", "copy_checkpoint", "fault_point", "file_sha256", "launch_id", "load_checkpoint",
+           "restore_rng_state", "save_checkpoint"]
 
 CHECKPOINT_FORMAT = "msn-train-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -29,7 +37,12 @@ def save_checkpoint(
 ) -> None:
     """Atomically ``torch.save`` ``state`` tagged with its format name and version (checked on load)."""
     state = {"format": fmt, "format_version": version, **state}
-    atomic_write(path, lambda f: torch.save(state, f))
+
+    def write(f) -> None:
+        torch.save(state, f)
+        fault_point("checkpoint-write", state.get("step"))  # test hook: a write killed before its rename
+
+    atomic_write(path, write)
 
 
 def copy_checkpoint(source: str | Path, destination: str | Path) -> None:
@@ -79,6 +92,48 @@ def restore_rng_state(state: dict[str, Any], mask_generator: torch.Generator | N
         torch.cuda.set_rng_state_all(state["cuda"])
     if mask_generator is not None and "mask" in state:
         mask_generator.set_state(state["mask"])
+
+
+def launch_id(output_dir: str | Path, *, restarted: bool) -> str | None:
+    """The id of this launch of the run in ``output_dir`` (rank 0 calls it; every checkpoint records it).
+
+    A new launch (``restarted=False``) draws a new id and writes it to ``OUTPUT_DIR/launch.json``; workers that
+    torchrun restarted read it back (None when it is missing or unreadable). A restart then resumes ``checkpoint.pt``
+    only when it carries the same id: a checkpoint left by an earlier launch is continued only with ``--resume``.
+    """
+    path = Path(output_dir) / "launch.json"
+    if restarted:
+        try:
+            return json.loads(path.read_text())["id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    new_id = uuid.uuid4().hex
+    atomic_write_json(path, {"id": new_id})
+    return new_id
+
+
+KILL_AT = "MSN_TEST_KILL_AT"
+FAULT_POINTS = ("step", "checkpoint-write")
+
+
+def fault_point(point: str, step: int | None) -> None:
+    """Test hook, read here only: SIGKILL this process at ``point`` of ``step`` if ``MSN_TEST_KILL_AT`` says so.
+
+    ``MSN_TEST_KILL_AT=<point>:<step>:<rank>``: ``step:5:1`` kills rank 1 right after its optimiser step 5 (before
+    that step's log and checkpoint); ``checkpoint-write:6:0`` kills rank 0 (the writer) inside the write of step 6's
+    checkpoint (its temporary file written, not yet flushed or renamed). It fires only on a first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so the restarted workers run past it; unset, it does nothing.
+    Used by tests/training/test_elastic.py to make the failures of a torchrun restart deterministic.
+    """
+    spec = os.environ.get(KILL_AT)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    at_point, _, rest = spec.partition(":")
+    at_step, _, at_rank = rest.partition(":")
+    if at_point not in FAULT_POINTS or not at_step.isdigit() or not at_rank.isdigit():
+        raise ValueError(f"{KILL_AT}={spec!r}: expected <{'|'.join(FAULT_POINTS)}>:<step>:<rank>, e.g. step:5:1")
+    if (point, step, int(os.environ.get("RANK", "0"))) == (at_point, int(at_step), int(at_rank)):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def file_sha256(path: str | Path, chunk_size: int = 1 << 20) -> str:

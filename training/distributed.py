@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,14 @@ __all__ = [
     "all_reduce_min_int",
     "all_reduce_sum_",
     "barrier",
+    "broadcast_module_",
     "cleanup",
     "get_rank",
     "get_world_size",
     "init_distributed",
     "is_distributed",
     "is_main_process",
+    "restart_count",
     "synchronize",
 ]
 
@@ -75,11 +78,34 @@ def init_distributed(device: str = "auto") -> DistInfo:
     backend = "nccl" if torch_device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend=backend,
+        store=_attempt_store(world_size),  # None: torch's own env:// set-up
         rank=rank,
         world_size=world_size,
         device_id=torch_device if torch_device.type == "cuda" else None,
     )
     return DistInfo(rank, world_size, local_rank, torch_device, backend)
+
+
+def _attempt_store(world_size: int) -> dist.Store | None:
+    """The group's key-value store under torchrun's shared agent store, with keys of this attempt only.
+
+    torchrun (c10d rendezvous, e.g. ``--standalone``) keeps one store for the whole launch and restarted workers join
+    it again; torch's env:// set-up then reuses the same keys in every attempt, so a restarted rank can read a peer's
+    address left by the failed attempt (gloo: "connection refused", or a hang). A prefix per attempt keeps them
+    apart. Elsewhere (a static rendezvous, where rank 0 starts a fresh store) torch's set-up is used unchanged.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(minutes=30))
+    return dist.PrefixStore(f"msn/attempt-{restart_count()}", store)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (``--max-restarts``); 0 on a first attempt and
+    outside torchrun. Workers restarted after a failure run the same command line again, so the trainer reads this
+    to resume on its own (docs/training.md#restarts-under-torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def is_distributed() -> bool:
@@ -145,6 +171,18 @@ def all_reduce_sum_(x: Tensor) -> Tensor:
             dist.all_reduce(buf)
             x.copy_(buf)
     return x
+
+
+@torch.no_grad()
+def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
+    """Give ``module`` rank ``src``'s parameters and buffers on every rank (no-op in one process).
+
+    DDP does this for the network it wraps; a network it does not wrap (the EMA target) needs it too, or each rank
+    would keep its own random initialisation (ranks seed differently, for different augmentations).
+    """
+    if is_distributed():
+        for tensor in module.state_dict().values():  # detached views of the module's own storage
+            dist.broadcast(tensor, src)
 
 
 def all_gather_object(obj: object) -> list:

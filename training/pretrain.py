@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=N training/pretrain.py --data DIR --output-dir runs/X   # your images (a folder, a list)
     msn-pretrain --config configs/X.yaml --output-dir runs/X            # one process, same thing
     torchrun ... --resume        # continue exactly from runs/X/checkpoint.pt
+    torchrun --max-restarts=3 ...   # failed workers restart and continue from this launch's checkpoint.pt
     torchrun ... --init-from PATH   # warm start: official .pth.tar, checkpoint.pt, bundle or HF ViTMSN folder
 
 One process per device (CPU processes use gloo, GPUs NCCL); multi-node through torchrun's rendezvous flags.
@@ -14,6 +15,8 @@ match the sharpened, Sinkhorn-balanced assignment of the target (training/model/
 before the loop (training/run/length.py); a budget run re-plans it from its measured rate (training/run/budget.py).
 
 `main` reads top to bottom: config -> distributed -> build (and resume) -> run length -> loop -> save.
+Resuming happens with ``--resume``, or by itself when torchrun restarts the workers of this launch
+(docs/training.md#restarts-under-torchrun).
 """
 
 from __future__ import annotations
@@ -24,14 +27,21 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from training import distributed as dist
 from training.bundle.warm_start import init_run
-from training.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, copy_checkpoint, load_checkpoint
+from training.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    copy_checkpoint,
+    fault_point,
+    launch_id,
+    load_checkpoint,
+)
 from training.config import (
     Config,
     ConfigError,
@@ -88,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     info = dist.init_distributed(cfg.run.device)
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, format="%(asctime)s %(message)s")
     started_at = time.monotonic()  # a budget counts from here: building, calibration, the loop, checkpoints
+    launch = None  # rank 0: this launch's id, new or (torchrun restarted the workers) read back; checkpoints keep it
     try:
         if info.rank == 0:
             args.output_dir.mkdir(parents=True, exist_ok=True)
+            launch = launch_id(args.output_dir, restarted=dist.restart_count() > 0)
             if args.plan is not None:
                 print(args.plan.describe(), flush=True)
             dump_config(cfg, args.output_dir / "config.yaml", plan=args.plan.record() if args.plan else None)
@@ -100,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         except SourceError as err:  # the data: no images, a malformed list, a wrong layout
             sys.exit(f"pretrain: {err}")
         state, progress = TrainState(run.online, run.target, run.optimizer), Progress()
-        checkpoints = Checkpoints(run, state, args.output_dir)
-        resumed = args.resume and checkpoints.path.exists()
+        checkpoints = Checkpoints(run, state, args.output_dir, launch)
+        resumed = checkpoints.should_resume(asked=args.resume)  # --resume, or torchrun restarting this launch
         if resumed:
             progress = checkpoints.resume()
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
@@ -176,6 +188,7 @@ def train_loop(run: Run, plan: RunPlan, progress: Progress, monitor: TrainingMon
         skipped_files += num_skipped
         last = train_step(run, plan.schedules.at(progress.step), images)
         epoch_ended = progress.advance(run.steps_per_epoch)
+        fault_point("step", progress.step)  # test hook (MSN_TEST_KILL_AT): a rank killed mid-run
         monitor.step(run.global_batch)
         if plan.after_step(progress.step) is not None and monitor.bar is not None:
             monitor.bar.total = plan.length.stop_at  # the progress bar follows the re-planned end
@@ -196,33 +209,76 @@ def train_loop(run: Run, plan: RunPlan, progress: Progress, monitor: TrainingMon
 
 @dataclass
 class Checkpoints:
-    """The run's ``checkpoint.pt``: resuming from it and writing it (every rank calls ``save``; rank 0 writes)."""
+    """The run's ``checkpoint.pt``: resuming from it and writing it (every rank calls ``save``; rank 0 writes).
+
+    Only rank 0 writes, atomically, so the file is always one complete checkpoint; ``launch`` (rank 0) is the id
+    of this launch, stored in every checkpoint so that a torchrun restart resumes only what its launch wrote.
+    """
 
     run: Run
     state: TrainState
     output_dir: Path
+    launch: str | None = None
     saved_step: int = -1
+    resume_step: int = field(default=-1, init=False)  # the step rank 0 read; every rank must load that same step
+    _stored: dict | None = field(default=None, init=False, repr=False)  # rank 0's copy: the file is read once
 
     @property
     def path(self) -> Path:
         return self.output_dir / "checkpoint.pt"
 
+    def should_resume(self, *, asked: bool) -> bool:
+        """Whether every rank continues from ``checkpoint.pt``: with ``--resume``, or when torchrun restarted the
+        workers (same command line, no ``--resume``) of the launch that wrote it. Rank 0 decides for all."""
+        step = -1
+        if self.run.info.rank == 0:
+            for leftover in self.output_dir.glob(".checkpoint*.tmp"):  # a write killed before its rename
+                log.info("removing %s, left by an interrupted checkpoint write", leftover.name)
+                leftover.unlink(missing_ok=True)
+            step = self._resumable_step(asked)
+        self.resume_step = dist.all_gather_object(step)[0]
+        return self.resume_step >= 0
+
+    def _resumable_step(self, asked: bool) -> int:
+        if not self.path.exists():
+            return -1
+        restart = dist.restart_count()
+        if not asked and not restart:
+            log.warning("%s is overwritten by this run's checkpoints (--resume continues it)", self.path)
+            return -1
+        self._stored = load_checkpoint(self.path)
+        if asked or self._stored.get("launch") == self.launch:
+            return self._stored["step"]
+        log.warning("torchrun restart %d: %s is from an earlier launch, not this one: starting over (--resume "
+                    "continues it)", restart, self.path)
+        self._stored = None
+        return -1
+
     def resume(self) -> Progress:
         """Load the weights, optimiser and stored run length into ``state``; return the position to go on from."""
-        stored = load_checkpoint(self.path)
+        stored, self._stored, rank = self._stored, None, self.run.info.rank
+        if stored is None:
+            if not self.path.exists():  # e.g. an output directory that not every node shares
+                sys.exit(f"pretrain: rank {rank} finds no {self.path}: every rank must see the same output "
+                         "directory")
+            stored = load_checkpoint(self.path)
+        if self.resume_step >= 0 and stored["step"] != self.resume_step:
+            sys.exit(f"pretrain: rank {rank} read step {stored['step']} from {self.path}, rank 0 step "
+                     f"{self.resume_step}: every rank must see the same output directory")
         self.state.load_state_dict(stored)
         run = self.run
         progress = restore_progress(stored, steps_per_epoch=run.steps_per_epoch, info=run.info,
                                     mask_generator=run.mask_generator, seed=run.cfg.run.seed)
         self.saved_step = progress.step
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", self.path, progress.step, progress.epoch,
-                 progress.batch_in_epoch)
+        restart = dist.restart_count()
+        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", self.path, progress.step, progress.epoch,
+                 progress.batch_in_epoch, f" after torchrun restart {restart}" if restart else "")
         return progress
 
     def save(self, progress: Progress, last: StepOutput) -> None:
         check_finite(last, progress.step)
         run = self.run
-        payload = {**self.state.state_dict(), **checkpoint_metadata(run)}
+        payload = {**self.state.state_dict(), **checkpoint_metadata(run), "launch": self.launch}
         save_progress(self.path, payload, progress, steps_per_epoch=run.steps_per_epoch, info=run.info,
                       mask_generator=run.mask_generator, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
         self.saved_step = progress.step

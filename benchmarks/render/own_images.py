@@ -49,3 +49,58 @@ def section(results: Path) -> str:
                   _row("MSN, flat folder, planned", r["evals"], "flat"),
                   _row("raw pixels", r["evals"], "pixels"), ""]
     return "\n".join(lines)
+
+
+def other_folders_section(results: Path) -> str:
+    """``benchmarks/results/other_folders-*.json`` (``python -m benchmarks.training.other_folders``)."""
+    reports = sorted(results.glob("other_folders-*.json"))
+    if not reports:
+        return ""
+    lines = ["## Other small images: the same plan off Fashion-MNIST", "",
+             ("`python -m benchmarks.training.other_folders`: scikit-learn's handwritten digits (1,797 grey 8 x 8 "
+              "images, the only other labelled image set on this machine), written at 8 px and resampled to 32 px; "
+              "2/3 of them (stratified, seed 0) as one unlabelled flat folder, pretrained with `--data DIR --budget "
+              "B` and nothing else; the other third is the test set. Low-shot: 3 seeded per-class samples of the "
+              "training part; kNN-20 against the whole training part. Nothing in the plan was tuned on these "
+              "images. The plan upsamples both to 32 px, and raw pixels are scored under the bundle's "
+              "preprocessing, so the two folders share one pixel baseline."), ""]
+    for path in reports:
+        r = json.loads(path.read_text())
+        lines += [f"### Budget {r['budget']}", "", machine_line(r["machine"]), "",
+                  "| folder | plan | steps | collapse | " + " | ".join(lbl for _, lbl in SETTINGS) + " | kNN-20 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, f in r["folders"].items():
+            config, run = f["config"], f["run"]
+            plan = (f"{config['model']['arch']}, {config['model']['image_size']} px, "
+                    f"{config['model']['patches_per_side']}² patches")
+            collapse = f"at step {run['collapse']['step']:,}" if run.get("collapse") else "none"
+            for which, label in (("flat", f"{name} MSN"), ("pixels", f"{name} raw pixels")):
+                row = _row(label, f["evals"], which)
+                if which == "flat":
+                    row = row.replace(f"| {label} |", f"| {label} | {plan} | {run['steps']:,} | {collapse} |", 1)
+                else:
+                    row = row.replace(f"| {label} |", f"| {label} | | | |", 1)
+                lines.append(row)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def warm_start_section(results: Path) -> str:
+    """``benchmarks/results/warm_start.json`` (``python -m benchmarks.training.warm_start``)."""
+    path = results / "warm_start.json"
+    if not path.exists():
+        return ""
+    r = json.loads(path.read_text())
+    rows = [f"| {metric} | {v['source']:.1f} | {v['warm']:.1f} | {v['delta']:+.1f} |"
+            for metric, v in r["comparison"]["metrics"].items()]
+    metrics = r["comparison"]["metrics"].values()
+    verdict = ("at least the source's on every metric" if r["comparison"]["warm_at_least_source"] else
+               f"at least the source's on {sum(v['delta'] >= 0 for v in metrics)} of {len(metrics)} metrics")
+    return "\n".join([
+        "## Warm start: a further budget from a finished run", "", machine_line(r["machine"]), "",
+        (f"`python -m benchmarks.training.warm_start`: `--init-from {r['source_checkpoint'].split('/main/')[-1]}` "
+         f"(recipe `{r['config'].split('/main/')[-1]}`), {r['minutes']:g} more minutes on the same images with a "
+         f"fresh optimiser and schedules ({r['run']['steps']:,} steps). Served feature (`served/`) and the paper's "
+         f"last-block CLS (`cls/`), official low-shot protocol and kNN-20. The warm-started bundle scores {verdict}."),
+        "",
+        "| metric | source | warm start | change |", "|---|---|---|---|", *rows, ""])

@@ -3,8 +3,10 @@
 On a machine where the clients share cores with the server (the 2-core development VM, pinned to one core), a
 general-purpose client such as httpx spends more CPU per request than the server does, so the measured throughput
 would mostly say how fast the clients are. Here each request is bytes built once; a response is read as status
-line + headers + ``Content-Length`` bytes. Each client process also reports its own CPU time, and
-:func:`cpu_seconds` reads a server's, so a benchmark can say where the core went.
+line + headers + ``Content-Length`` bytes. The request body is the Python client's
+(:func:`msn_serve.client.multipart_body`), so the load is what :class:`msn_serve.client.Client` sends; only the
+sending is done here, on raw sockets. Each client process also reports its own CPU time, and :func:`cpu_seconds`
+reads a server's, so a benchmark can say where the core went.
 """
 from __future__ import annotations
 
@@ -18,20 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
+from msn_serve.client.wire import multipart_body
+
 BOUNDARY = "msnbenchboundary7d1c"
 GATE_TIMEOUT_S = 600.0  # connections + warm-up of every client; a dead server fails the run instead of hanging
 
 
 def embed_request(host: str, image: bytes, *, mask: str | None = None, accept: str | None = None,
-                  normalize: bool = False) -> bytes:
-    """The bytes of one ``POST /embed`` with one image as multipart (what ``curl -F image=@x.png`` sends)."""
-    parts = [f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n'
-             f"Content-Type: image/png\r\n\r\n".encode() + image + b"\r\n"]
-    for name, value in (("mask", mask), ("normalize", "true" if normalize else None)):
-        if value is not None:
-            parts.append(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode())
-    body = b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
-    head = (f"POST /embed HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+                  normalize: bool = False, model: str | None = None) -> bytes:
+    """The bytes of one ``POST /embed`` with one image: the client's multipart body (``mask`` is JSON text;
+    ``model`` names one of several served models)."""
+    body, ctype = multipart_body([("x.png", image, "image/png")],
+                                 {"mask": mask, "normalize": "true" if normalize else None, "model": model},
+                                 text_fields=("mask", "normalize", "model"), boundary=BOUNDARY)
+    head = (f"POST /embed HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n" + (f"Accept: {accept}\r\n" if accept else "") + "\r\n")
     return head.encode() + body
 

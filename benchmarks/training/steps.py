@@ -35,11 +35,11 @@ def set_args(overrides: dict) -> list[str]:
 
 
 def eval_step(work: Path, bundle: str, command: str, args: list[str], tag: str | None = None,
-               pixels_source: str = "msn") -> Step:
+              pixels_source: str = "msn", data: str = "fashion-mnist") -> Step:
     """``msn-eval COMMAND`` on ``work/bundles/BUNDLE``; ``pixels`` reads the preprocessing of ``pixels_source``."""
     out = work / "evals" / f"{bundle}-{tag or command}.json"
     source = pixels_source if bundle == "pixels" else bundle
-    argv = [command, "--bundle", str(work / "bundles" / source), "--data", "fashion-mnist",
+    argv = [command, "--bundle", str(work / "bundles" / source), "--data", data,
             "--cache-dir", str(work / "feature-cache"), "--json", str(out), *args]
 
     def run() -> None:

@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,8 @@ class ClassifierStore:
         if not read_only:
             self.root.mkdir(parents=True, exist_ok=True)
         self.model_id = model_id
+        # Every model id the server runs (a live set the model registry keeps current; this one model otherwise).
+        self.served: Collection[str] = (model_id,)
         self._lock = threading.Lock()
         self.items: dict[str, FewShotClassifier] = {}
 
@@ -152,7 +155,7 @@ class ClassifierStore:
             raise read_only_replica()
         with self._lock, persisting(f"store classifier {clf.name!r}"):
             self.check_free(clf.name, overwrite=overwrite)
-            clf.info["model_id"] = self.model_id
+            clf.info.setdefault("model_id", self.model_id)  # the service sets the model it fitted with
             atomic_write(self.root / f"{clf.name}.npz", clf.to_bytes())  # a failure leaves the old file
             self.items[clf.name] = clf
 
@@ -171,13 +174,13 @@ class ClassifierStore:
         """The classifier named ``name`` for a prediction: 404 when there is none, 409
         (:class:`~msn_serve.errors.ModelMismatch`) when it was fitted on another model's embeddings."""
         clf = self.get(name)
-        check_model("classifier", name, clf.info.get("model_id"), self.model_id)
+        check_model("classifier", name, clf.info.get("model_id"), self.served)
         return clf
 
     def mismatched(self) -> dict[str, str]:
         """``{name: model_id}`` of the classifiers fitted on another model's embeddings."""
         return {name: str(clf.info.get("model_id")) for name, clf in self.items.items()
-                if not model_matches(clf.info.get("model_id"), self.model_id)}
+                if not model_matches(clf.info.get("model_id"), self.served)}
 
     def delete(self, name: str) -> None:
         if self.read_only:
@@ -190,5 +193,5 @@ class ClassifierStore:
     def describe(self) -> list[dict[str, Any]]:
         return [{"name": c.name, "classes": c.classes, **{k: c.info.get(k) for k in ("n", "dim", "lambd", "created")},
                  "model_id": c.info.get("model_id"), "model_matches": model_matches(c.info.get("model_id"),
-                                                                                    self.model_id)}
+                                                                                    self.served)}
                 for c in sorted(self.items.values(), key=lambda c: c.name)]

@@ -8,7 +8,7 @@ reload (which swaps both stores) is seen by the next call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,11 +16,15 @@ from msn_serve.classifiers import label_loop
 from msn_serve.classifiers.fewshot import ClassifierStore, FewShotClassifier, check_fit_data, from_fit
 from msn_serve.classifiers.fitpool import FitPool
 from msn_serve.config import Settings, check_results
-from msn_serve.embedding.service import EmbeddingService, Inputs
-from msn_serve.errors import read_only_replica, unprocessable
+from msn_serve.embedding.service import Inputs
+from msn_serve.errors import conflict, read_only_replica, unprocessable
+from msn_serve.indexes.managed import ManagedIndex
 from msn_serve.indexes.service import IndexService
 from msn_serve.metrics import Metrics
 from msn_serve.work import WorkPool
+
+if TYPE_CHECKING:
+    from msn_serve.embedding.models import ModelRegistry
 
 
 @dataclass(frozen=True)
@@ -33,13 +37,17 @@ class Predictions:
 
 
 class ClassifierService:
-    """The classifier store (swapped on a reader's reload), the fit pool and the label loop's prediction cache."""
+    """The classifier store (swapped on a reader's reload), the fit pool and the label loop's prediction cache.
 
-    def __init__(self, settings: Settings, store: ClassifierStore, *, embedding: EmbeddingService,
+    A classifier is fitted on one model's embeddings (the ``model`` of the fit, or the model of the index its ids
+    come from) and records that model's id; its predictions embed images with that model, whichever model a request
+    would otherwise use, and the label loop refuses an index of another model (409).
+    """
+
+    def __init__(self, settings: Settings, store: ClassifierStore, *, models: ModelRegistry,
                  indexes: IndexService, work: WorkPool, metrics: Metrics, read_only: bool):
         self.settings, self.store, self.read_only = settings, store, read_only
-        self.embedding, self.indexes, self.work = embedding, indexes, work
-        self.embed_dim = embedding.info.embed_dim
+        self.models, self.indexes, self.work = models, indexes, work
         self.fits = FitPool(workers=settings.fit_workers, max_queued=settings.max_queued_fits,
                             timeout_s=settings.fit_timeout_s, threads=settings.fit_threads,
                             on_change=metrics.fits.set)
@@ -61,10 +69,11 @@ class ClassifierService:
 
     # ---- fit and predict ---------------------------------------------------------------------------------------
     async def fit(self, name: str, labels: list[str], inputs: Inputs, *, lambd: float | None = None,
-                  overwrite: bool = False, index: str | None = None, ids: np.ndarray | None = None
-                  ) -> FewShotClassifier:
+                  overwrite: bool = False, index: str | None = None, ids: np.ndarray | None = None,
+                  model: str | None = None) -> FewShotClassifier:
         """Fit (in a worker process) and store a classifier on images, vectors, or the stored vectors of ``ids``
-        of ``index``, one label each; ``lambd`` defaults to the settings' (the low-shot protocol's)."""
+        of ``index``, one label each; ``lambd`` defaults to the settings' (the low-shot protocol's). It is bound to
+        ``model`` (a name; the default model for None), or to the model of ``index``."""
         if self.read_only:
             raise read_only_replica()
         s = self.settings
@@ -74,15 +83,24 @@ class ClassifierService:
                 raise unprocessable("send either index + ids or images, not both")
             if len(labels) != len(ids):
                 raise unprocessable(f"{len(labels)} labels for {len(ids)} ids")
+            idx = self.indexes.store.bound(index)
+            model_id = idx.cfg.model_id or self.models.default.info.model_id
+            if model is not None and self.models.get(model).info.model_id != model_id:
+                raise conflict(f"index {index!r} holds model {model_id!r}'s vectors, not model {model!r}'s: "
+                               "leave model out to fit on the index's model")
             x = await self.work.run(label_loop.fit_vectors, self.indexes.store, index, ids)
         elif len(labels) != inputs.count:
             raise unprocessable(f"{len(labels)} labels for {inputs.count} images/embeddings")
         else:
-            x = await self.embedding.vectors(inputs, "embeddings", self.embed_dim)
+            served = self.models.get(model)
+            model_id = served.info.model_id
+            with served.use():
+                x = await served.embedding.vectors(inputs, "embeddings", served.info.embed_dim)
         await self.work.run(lambda: check_fit_data(x, labels, max_classes=s.max_fit_classes))
         lambd = lambd if lambd is not None else s.default_lambd
-        model = await self.fits.fit(x, labels, lambd=lambd)
-        clf = from_fit(name, model, labels, dim=int(x.shape[1]), lambd=lambd, seconds=model.fit_seconds)
+        fitted = await self.fits.fit(x, labels, lambd=lambd)
+        clf = from_fit(name, fitted, labels, dim=int(x.shape[1]), lambd=lambd, seconds=fitted.fit_seconds)
+        clf.info["model_id"] = model_id
         if index is not None:
             clf.info["index"], clf.fit_ids = index, ids
         await self.work.run(lambda: self.store.put(clf, overwrite=overwrite))
@@ -90,9 +108,11 @@ class ClassifierService:
 
     async def predict(self, name: str, inputs: Inputs, k: int) -> Predictions:
         """Top-``k`` classes (capped at the class count) of each image or vector."""
-        clf = self.store.bound(name)  # 409 when fitted on another model's embeddings
+        clf = self.store.bound(name)  # 409 when fitted on the embeddings of a model not served
         check_results(inputs.count, min(k, len(clf.classes)), self.settings.max_results_per_request)
-        x = await self.embedding.vectors(inputs, "embeddings", self.embed_dim)
+        served = self.models.for_store("classifier", name, clf.info.get("model_id"))
+        with served.use():
+            x = await served.embedding.vectors(inputs, "embeddings", served.info.embed_dim)
         top, prob = await self.work.run(clf.top_k, x, k)
         return Predictions(classes=clf.classes, top=top, probability=prob)
 
@@ -108,6 +128,7 @@ class ClassifierService:
                       exclude_ids: np.ndarray | None) -> dict[str, Any]:
         """The next ids of ``index`` to label for classifier ``name``."""
         clf = self.store.bound(name)
+        self._same_model(clf, self.indexes.store.bound(index))
         return await self.work.run(lambda: label_loop.suggest(
             self.indexes.store, clf, index=index, n=n, strategy=strategy, seed=seed, exclude_ids=exclude_ids,
             candidates=self.settings.select_candidates))
@@ -116,6 +137,16 @@ class ClassifierService:
                             order: str) -> label_loop.IndexPage:
         """One page of classifier ``name``'s predictions over the items of ``index``."""
         clf, s = self.store.bound(name), self.settings
+        self._same_model(clf, self.indexes.store.bound(index))
         return await self.work.run(lambda: label_loop.predict_index(
             self.indexes.store, clf, self.predictions, index=index, offset=offset, limit=limit, k=k, order=order,
             max_page=s.max_page, max_results=s.max_results_per_request))
+
+    def _same_model(self, clf: FewShotClassifier, idx: ManagedIndex) -> None:
+        """409 when a classifier and an index hold different models' vectors (both served, so neither check on
+        its own refuses them); a store that recorded no model is taken as the default model's."""
+        default = self.models.default.info.model_id
+        fitted, stored = clf.info.get("model_id") or default, idx.cfg.model_id or default
+        if fitted != stored:
+            raise conflict(f"classifier {clf.name!r} was fitted on model {fitted!r}'s embeddings but index "
+                           f"{idx.path.name!r} holds model {stored!r}'s vectors: use an index of the same model")

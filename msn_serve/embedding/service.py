@@ -18,6 +18,7 @@ import numpy as np
 
 from msn_core.bundle import BundleInfo
 from msn_core.inference import available_cpus
+from msn_core.masks import MaskError, resolve_masks
 from msn_serve.config import Settings
 from msn_serve.embedding.batcher import Batcher
 from msn_serve.embedding.engine import InferenceEngine
@@ -36,6 +37,9 @@ class Inputs:
     images: list[ImageFile] = field(default_factory=list)
     keep_idx: list[np.ndarray] | None = None  # one row per image; None where no image is to be embedded
     vectors: np.ndarray | None = None  # (n, d) float32, sent instead of images
+    # The request's mask specification when keep_idx is None: resolved on the grid of the model that embeds them
+    # (with several models served, that model is known only once the store a request names is looked up).
+    mask: Any = None
 
     @property
     def count(self) -> int:
@@ -158,4 +162,10 @@ class EmbeddingService:
         if dim != self.info.embed_dim:
             raise unprocessable(f"expected vectors of dimension {dim}; the model embeds images to "
                                 f"{self.info.embed_dim}: send {sent_as}")
-        return await self.embed_images(inputs.images, inputs.keep_idx)
+        keep_idx = inputs.keep_idx
+        if keep_idx is None and inputs.images:
+            try:
+                keep_idx = resolve_masks(inputs.mask, len(inputs.images), self.info.grid)
+            except MaskError as e:
+                raise unprocessable(str(e)) from None
+        return await self.embed_images(inputs.images, keep_idx)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from msn_serve.config import Settings
+from msn_serve.embedding.models import MSN_ALIAS
 from msn_serve.errors import ApiError, storage_error
 from msn_serve.http import oip, openai_api, routes
 from msn_serve.http.auth import OPEN, KeyRing, route_scope
@@ -122,19 +123,20 @@ class GuardMiddleware:
                     await send(m)
 
 
-def _document_model_names(app: FastAPI, model_id: str) -> None:
-    """The OIP ``{model}`` path parameter takes the bundle's model id or ``msn``: say so in the OpenAPI document."""
+def _document_model_names(app: FastAPI, runtime: Runtime) -> None:
+    """The OIP ``{model}`` path parameter takes the default model's id, ``msn`` or a model's name: say so in the
+    OpenAPI document (the names of the moment: models can be added while serving)."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = generate()
-            for operations in schema.get("paths", {}).values():
-                for op in operations.values():
-                    for param in op.get("parameters", []):
-                        if param.get("name") == "model" and param.get("in") == "path":
-                            param["schema"] = {"type": "string", "enum": [model_id, "msn"]}
-            app.openapi_schema = schema
+            app.openapi_schema = generate()
+        names = list(dict.fromkeys([runtime.info.model_id, MSN_ALIAS, *runtime.models.names()]))
+        for operations in app.openapi_schema.get("paths", {}).values():
+            for op in operations.values():
+                for param in op.get("parameters", []):
+                    if param.get("name") == "model" and param.get("in") == "path":
+                        param["schema"] = {"type": "string", "enum": names}
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -148,7 +150,7 @@ def _reload_keys_on_sighup(keys: KeyRing, runtime: Runtime) -> None:
 
     def on_sighup() -> None:
         keys.reload(force=True)
-        runtime._spawn(runtime.snapshots.on_sighup())  # what Runtime.start installed for SIGHUP
+        runtime._spawn(runtime.on_sighup())  # what Runtime.start installed for SIGHUP
 
     try:
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
@@ -211,9 +213,10 @@ def create_app(settings: Settings) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"])
-    async def readyz() -> JSONResponse:
-        """Readiness: warmed up and inference works (after failures, re-checked with a real forward pass)."""
-        ok, detail = await runtime.readiness()
+    async def readyz(model: str | None = None) -> JSONResponse:
+        """Readiness: every model warmed up and its inference works (after failures, re-checked with a real forward
+        pass); ``?model=NAME`` for one model. Each model's detail is under ``models``."""
+        ok, detail = await runtime.readiness(model)
         return JSONResponse(status_code=200 if ok else 503, content={"ready": ok, **detail})
 
     @app.get("/metrics", tags=["health"])
@@ -222,19 +225,23 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(body, media_type=ctype)
 
     @app.get("/info", tags=["health"])
-    async def info() -> dict[str, Any]:
-        """Model and bundle facts clients need (patch grid for masks, preprocessing)."""
-        i, engine = runtime.info, runtime.embedding.engine
+    async def info(model: str | None = None) -> dict[str, Any]:
+        """Model and bundle facts clients need (patch grid for masks, preprocessing): the default model's, or
+        ``?model=NAME``'s; ``models`` lists every model served."""
+        served = runtime.models.get(model)
+        i, engine = served.info, served.embedding.engine
         return {"model_id": i.model_id, "dim": i.embed_dim, "patch_size": i.patch_size, "image_size": i.image_size,
                 "grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
                 "preprocessing": i.preprocessing.to_dict(), "device": engine.device, "precision": engine.precision,
-                "runtime": engine.runtime, "runtime_choice": runtime.runtime_choice.describe(),
+                "runtime": engine.runtime, "runtime_choice": served.choice.describe(),
                 "max_batch_size": settings.max_batch_size, "max_wait_ms": settings.max_wait_ms,
-                "role": runtime.role, "snapshot_version": runtime.snapshots.version}
+                "role": runtime.role, "snapshot_version": runtime.snapshots.version, "model": served.name,
+                "default_model": runtime.models.default.name,
+                "models": [m.card() for m in runtime.models.models.values()]}
 
     app.include_router(routes.router)
     app.include_router(oip.router)
-    _document_model_names(app, runtime.info.model_id)
+    _document_model_names(app, runtime)
     # Added last = outermost: metrics also count the 401/413 answers the guard gives.
     app.add_middleware(GuardMiddleware, keys=keys, max_body=settings.max_body_bytes)
     openai_api.install(app)  # outside the guard: its 401/413 on /v1 get OpenAI's error shape

@@ -54,6 +54,8 @@ ROUTE_SCOPES: dict[str, str] = {
     **{f"POST {p}": "write" for p in ("/fewshot/fit", "/index/{name}", "/index/{name}/add", "/index/{name}/delete")},
     **{f"DELETE {p}": "write" for p in ("/fewshot/{name}", "/index/{name}")},
     **{f"POST {p}": "admin" for p in ("/admin/snapshot", "/admin/reload")},
+    "PUT /admin/models/{name}": "admin",
+    "DELETE /admin/models/{name}": "admin",
 }
 
 

@@ -122,7 +122,7 @@ def json_payload(body: bytes, max_images: int) -> Payload:
     return out
 
 
-async def read_request(request: Request, model: type[M], settings: Settings, grid: int) -> M:
+async def read_request(request: Request, model: type[M], settings: Settings, grid: int | None) -> M:
     """Read the body (multipart or JSON) and the model's query parameters into a validated ``model`` (its mask
     resolved on the model's patch ``grid``); a large body is parsed and validated off the event loop."""
     raw, size = await read_payload(request, max_images=settings.max_images_per_request,

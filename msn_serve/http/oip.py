@@ -18,7 +18,9 @@ from fastapi import APIRouter, Request, Response
 
 from msn_core.bundle import BundleInfo
 from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
+from msn_serve.embedding.models import ServedModel
 from msn_serve.errors import ApiError, bad_request, not_found
+from msn_serve.http.inputs import off_loop
 from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
 from msn_serve.http.schemas import inline_schema
 from msn_serve.jsontext import dumps, loads
@@ -39,12 +41,15 @@ def _rt(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def _model(request: Request, model: str) -> Runtime:
-    """The runtime, when ``model`` names the served model (404 otherwise)."""
+def _model(request: Request, model: str) -> ServedModel:
+    """The model ``model`` names: a model's name, ``msn`` (the default model) or a model id (404 otherwise)."""
     rt = _rt(request)
-    if model not in (rt.info.model_id, "msn"):
-        raise not_found(f"unknown model {model!r}; this server serves {rt.info.model_id!r} (alias 'msn')")
-    return rt
+    served = rt.models.resolve(model)
+    if served is None:
+        names = ", ".join(repr(n) for n in rt.models.names())
+        raise not_found(f"unknown model {model[:80]!r}; this server serves {rt.info.model_id!r} (alias 'msn')"
+                        + (f" and the models {names}" if len(rt.models.models) > 1 else f", named {names}"))
+    return served
 
 
 @router.get("")
@@ -77,7 +82,8 @@ async def model_ready(model: str, request: Request, ver: str | None = None) -> R
 @router.get("/models/{model}")
 @router.get("/models/{model}/versions/{ver}")
 async def model_metadata(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
-    i = _model(request, model).info
+    served = _model(request, model)
+    i = served.info
     inputs = [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, i.in_chans, i.image_size, i.image_size]},
               {"name": "keep_idx", "datatype": "INT64", "shape": [-1, -1], "optional": True},  # -1 = padding
               {"name": "keep_mask", "datatype": "BOOL", "shape": [-1, -1], "optional": True}]
@@ -85,15 +91,16 @@ async def model_metadata(model: str, request: Request, ver: str | None = None) -
             "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, i.embed_dim]}],
             "parameters": {"patch_grid": i.grid, "num_patches": i.num_patches, "feature": i.feature,
                            "preprocessing": i.preprocessing.to_dict(),
-                           "mask": "request parameter: a mask specification as /embed takes, instead of keep_idx"}}
+                           "mask": "request parameter: a mask specification as /embed takes, instead of keep_idx",
+                           "model": served.name}}
 
 
 @router.get("/models/{model}/config")
 @router.get("/models/{model}/versions/{ver}/config")
 async def model_config(model: str, request: Request, ver: str | None = None) -> dict[str, Any]:
     """Triton's model-configuration extension (read by perf_analyzer): dims exclude the batch dimension."""
-    rt = _model(request, model)
-    i, s = rt.info, rt.settings
+    served = _model(request, model)
+    i, s = served.info, _rt(request).settings
     return {"name": i.model_id, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
             "max_batch_size": s.max_images_per_request,
             "input": [{"name": "pixel_values", "data_type": "TYPE_FP32", "dims": [i.in_chans, i.image_size,
@@ -103,7 +110,8 @@ async def model_config(model: str, request: Request, ver: str | None = None) -> 
             "output": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [i.embed_dim]}],
             "dynamic_batching": {"max_queue_delay_microseconds": int(s.max_wait_ms * 1000),
                                  "preferred_batch_size": [s.max_batch_size]},
-            "instance_group": [{"count": 1, "kind": "KIND_GPU" if rt.embedding.engine.device == "cuda" else "KIND_CPU"}]}
+            "instance_group": [{"count": 1, "kind": "KIND_GPU" if served.embedding.engine.device == "cuda"
+                                else "KIND_CPU"}]}
 
 
 def _keep_rows(t: dict[str, np.ndarray], batch: int) -> list[np.ndarray]:
@@ -147,27 +155,43 @@ def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> l
     return list(zip(px, keeps, strict=True))
 
 
+def _parse_infer(body: bytes, encoding: str, header_length: str | None, info: BundleInfo,
+                 limit: int) -> tuple[InferRequest, list[tuple[np.ndarray, np.ndarray]]]:
+    """The request and its ``(pixels, keep_idx)`` rows from the raw body: decompression, the JSON header, tensors
+    (JSON ``data`` lists included) and their checks. Blocking; a large body runs it in a parser thread."""
+    body = decompress(body, encoding, limit)
+    head, binary = split_body(body, header_length)
+    req = parse_request(head)
+    items = oip_items(info, tensors(req, binary, limit), req.parameters.mask)
+    if any(o.name != "embedding" for o in req.outputs or []):
+        raise bad_request("the only output is 'embedding'")
+    return req, items
+
+
 @router.post("/models/{model}/infer", openapi_extra={"requestBody": {"content": {"application/json": {
     "schema": inline_schema(InferRequest)}}}})
 @router.post("/models/{model}/versions/{ver}/infer")
 async def infer(model: str, request: Request, ver: str | None = None) -> Response:
-    rt = _model(request, model)
-    limit = rt.settings.max_body_bytes
-    body = decompress(await request.body(), request.headers.get("content-encoding", "").lower(), limit)
-    head, binary = split_body(body, request.headers.get(HEADER))
-    req = parse_request(head)
-    items = oip_items(rt.info, tensors(req, binary, limit), req.parameters.mask)
-    if any(o.name != "embedding" for o in req.outputs or []):
-        raise bad_request("the only output is 'embedding'")
-    emb = await rt.embedding.embed_items(items)
+    """Where the work runs: the body is received on the event loop; a body over
+    :data:`~msn_serve.http.inputs.OFF_LOOP_ABOVE` bytes is parsed, converted to tensors and checked in the parser
+    threads (as the native routes' bodies are), and a large JSON response is written there too."""
+    limit = _rt(request).settings.max_body_bytes
+    served = _model(request, model)
+    raw = await request.body()
+    req, items = await off_loop(len(raw), _parse_infer, raw, request.headers.get("content-encoding", "").lower(),
+                                request.headers.get(HEADER), served.info, limit)
+    served = _model(request, model)  # replaced while the body was parsed? the new one (the same input shape)
+    with served.use():
+        emb = await served.embedding.embed_items(items)
     out: dict[str, Any] = {"name": "embedding", "datatype": "FP32", "shape": list(emb.shape)}
-    resp: dict[str, Any] = {"model_name": rt.info.model_id, "model_version": "1", "outputs": [out]}
+    resp: dict[str, Any] = {"model_name": served.info.model_id, "model_version": "1", "outputs": [out]}
     if req.id is not None:
         resp["id"] = req.id
     if not req.binary_output:
         out["data"] = emb.reshape(-1).tolist()
-        return Response(dumps(resp), media_type="application/json")
-    raw = emb.astype("<f4").tobytes()
-    out["parameters"] = {"binary_data_size": len(raw)}
+        text = await off_loop(emb.size * 12, dumps, resp)  # about 12 bytes of JSON per float
+        return Response(text, media_type="application/json")
+    raw_out = emb.astype("<f4").tobytes()
+    out["parameters"] = {"binary_data_size": len(raw_out)}
     header = dumps(resp).encode()
-    return Response(header + raw, media_type="application/octet-stream", headers={HEADER: str(len(header))})
+    return Response(header + raw_out, media_type="application/octet-stream", headers={HEADER: str(len(header))})

@@ -26,6 +26,7 @@ DTYPES = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": n
 Datatype = Literal["FP32", "FP16", "FP64", "INT64", "INT32", "INT16", "INT8", "UINT8", "UINT16", "UINT32", "UINT64",
                    "BOOL"]
 Dim = Annotated[StrictInt, Field(ge=0, le=2**40)]
+CHUNK = 16384  # top-level items of a JSON tensor converted per numpy call (:func:`_as_array`)
 
 
 class TensorParameters(BaseModel):
@@ -129,7 +130,7 @@ def tensor(spec: InferInput, blob: memoryview | None, max_bytes: int) -> np.ndar
             raise bad_request(f"input {spec.name!r}: no 'data' and no binary_data_size")
         try:
             with np.errstate(over="ignore", invalid="ignore"):  # values beyond a float type become inf: checked later
-                arr = np.asarray(spec.data, dtype=DTYPES[spec.datatype]).reshape(-1)
+                arr = _as_array(spec.data, DTYPES[spec.datatype])
         except OverflowError:
             raise bad_request(f"input {spec.name!r}: a value is outside the range of {spec.datatype}") from None
         except (TypeError, ValueError):
@@ -138,6 +139,20 @@ def tensor(spec: InferInput, blob: memoryview | None, max_bytes: int) -> np.ndar
         if arr.size != count:
             raise bad_request(f"input {spec.name!r}: {arr.size} elements do not match shape {spec.shape}")
     return arr.reshape(spec.shape)
+
+
+def _as_array(data: Any, dtype: Any) -> np.ndarray:
+    """``data`` (a JSON list, flat or nested) as a flat array, converted :data:`CHUNK` top-level items at a time,
+    emptying the list as it goes. numpy holds the GIL for a whole conversion, and freeing a list frees every number in
+    it in one go, so a parser thread converting (or later dropping) a large body in one call would stall the event
+    loop; between chunks the interpreter can hand the GIL over."""
+    if not isinstance(data, list) or len(data) <= CHUNK:
+        return np.asarray(data, dtype=dtype).reshape(-1)
+    parts = []
+    while data:  # from the end: deleting a list's tail moves nothing
+        parts.append(np.asarray(data[-CHUNK:], dtype=dtype).reshape(-1))
+        del data[-CHUNK:]
+    return np.concatenate(parts[::-1])
 
 
 def tensors(req: InferRequest, binary: bytes, max_bytes: int) -> dict[str, np.ndarray]:

@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from msn_core.masks import MaskError, resolve_masks
+from msn_serve.embedding.models import ServedModel
 from msn_serve.errors import ApiError
 from msn_serve.http.fields import MASK_DOC
 from msn_serve.http.inputs import off_loop
@@ -73,17 +74,16 @@ def _rt(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def model_names(rt: Runtime) -> tuple[str, ...]:
-    """What ``model`` may say: the bundle's model id (what ``/v1/models`` lists) or ``msn``, as on OIP."""
-    return (rt.info.model_id, "msn")
-
-
-def _check_model(rt: Runtime, model: Any) -> None:
+def _check_model(rt: Runtime, model: Any) -> ServedModel:
+    """The model ``model`` names: a model's name, its model id (what ``/v1/models`` lists as ``id``) or ``msn``."""
     if not isinstance(model, str) or not model:
         raise _bad("model: expected the model's name (GET /v1/models lists it)", "model")
-    if model not in model_names(rt):
-        raise OpenAIError(404, f"The model {model[:200]!r} does not exist; this server serves "
-                               f"{rt.info.model_id!r} (GET /v1/models)", param="model")
+    served = rt.models.resolve(model)
+    if served is None:
+        ids = ", ".join(repr(m.info.model_id) for m in rt.models.models.values())
+        raise OpenAIError(404, f"The model {model[:200]!r} does not exist; this server serves {ids} "
+                               "(GET /v1/models)", param="model")
+    return served
 
 
 def _decode(item: Any, i: int) -> bytes:
@@ -136,7 +136,7 @@ async def _fetch_all(urls: dict[int, str], rt: Runtime) -> dict[int, bytes]:
 
 def _parse(body: bytes, rt: Runtime) -> tuple[dict[str, Any], dict[int, bytes], dict[int, str]]:
     """The request's fields, its decoded images and its URLs (by input index); the model, the fields and the
-    count are checked before any image is decoded."""
+    count are checked before any image is decoded (the model again, by the route, once it is parsed)."""
     data = loads(body, "request body", status=400)
     if not isinstance(data, dict):
         raise _bad("the request body must be a JSON object", None)
@@ -144,12 +144,12 @@ def _parse(body: bytes, rt: Runtime) -> tuple[dict[str, Any], dict[int, bytes], 
     if unknown:
         raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(FIELDS))}",
                    unknown[0])
-    _check_model(rt, data.get("model"))
+    info = _check_model(rt, data.get("model")).info
     if data.get("encoding_format", "float") not in ("float", "base64"):
         raise _bad("encoding_format: expected 'float' or 'base64'", "encoding_format")
     dims = data.get("dimensions")
-    if dims is not None and dims != rt.info.embed_dim:
-        raise _bad(f"dimensions: this model's embeddings have {rt.info.embed_dim} dimensions and are not "
+    if dims is not None and dims != info.embed_dim:
+        raise _bad(f"dimensions: this model's embeddings have {info.embed_dim} dimensions and are not "
                    "shortened", "dimensions")
     if data.get("user") is not None and not isinstance(data["user"], str):
         raise _bad("user: expected a string", "user")
@@ -190,7 +190,7 @@ def _as_openai(e: ApiError) -> OpenAIError:
     return OpenAIError(400 if e.status == 422 else e.status, e.message, headers=e.headers)
 
 
-def _body(rt: Runtime, emb: np.ndarray, keeps: list[np.ndarray], encoding: str) -> bytes:
+def _body(model_id: str, emb: np.ndarray, keeps: list[np.ndarray], encoding: str) -> bytes:
     """OpenAI's embeddings list; ``base64`` is each vector's little-endian float32 bytes, base64-encoded."""
     arr = np.ascontiguousarray(emb, dtype="<f4")
     if encoding == "base64":
@@ -200,14 +200,14 @@ def _body(rt: Runtime, emb: np.ndarray, keeps: list[np.ndarray], encoding: str) 
     tokens = int(sum(k.size for k in keeps))
     body = {"object": "list",
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-            "model": rt.info.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            "model": model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 IMAGE_DOC = "an image: a base64 data URL (data:image/png;base64,...), raw base64, or an http(s) URL if enabled"
 EMBEDDINGS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["model", "input"], "properties": {
-        "model": {"type": "string", "description": "the served model's id (GET /v1/models) or 'msn'"},
+        "model": {"type": "string", "description": "a served model's id or name (GET /v1/models) or 'msn'"},
         "input": {"oneOf": [{"type": "string", "description": IMAGE_DOC},
                             {"type": "array", "minItems": 1, "items": {"type": "string", "description": IMAGE_DOC}}]},
         "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
@@ -224,37 +224,39 @@ async def embeddings(request: Request) -> Response:
     rt = _rt(request)
     try:
         data, images = await _read(request, rt)
-        try:
-            keeps = resolve_masks(data.get("mask"), len(images), rt.info.grid)
-        except MaskError as e:
-            raise _bad(str(e), "mask") from None
-        emb = await rt.embedding.embed_images(images, keeps, normalize=False)
+        served = _check_model(rt, data["model"])
+        with served.use():
+            try:
+                keeps = resolve_masks(data.get("mask"), len(images), served.info.grid)
+            except MaskError as e:
+                raise _bad(str(e), "mask") from None
+            emb = await served.embedding.embed_images(images, keeps, normalize=False)
     except ApiError as e:
         raise _as_openai(e) from None
-    body = await rt.work.run(_body, rt, emb, keeps, data.get("encoding_format", "float"))
+    body = await rt.work.run(_body, served.info.model_id, emb, keeps, data.get("encoding_format", "float"))
     return Response(body, media_type="application/json")
 
 
-def _model_card(rt: Runtime) -> dict[str, Any]:
+def _model_card(served: ServedModel) -> dict[str, Any]:
     try:
-        created = int((rt.settings.bundle / "msn.json").stat().st_mtime)
+        created = int((served.spec.bundle / "msn.json").stat().st_mtime)
     except OSError:
         created = 0
-    return {"id": rt.info.model_id, "object": "model", "created": created, "owned_by": "msn-serve"}
+    return {"id": served.info.model_id, "object": "model", "created": created, "owned_by": "msn-serve",
+            "name": served.name}
 
 
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The served model, as OpenAI lists models (``created``: when the bundle's ``msn.json`` was written)."""
-    return {"object": "list", "data": [_model_card(_rt(request))]}
+    """The served models, as OpenAI lists models, the default first (``id``: the model id; ``name``: what the
+    server calls it, also accepted as ``model``; ``created``: when the bundle's ``msn.json`` was written)."""
+    return {"object": "list", "data": [_model_card(m) for m in _rt(request).models.models.values()]}
 
 
 @router.get("/models/{model}")
 async def model(model: str, request: Request) -> dict[str, Any]:
-    """One model's card (the served model's id or ``msn``); 404 in OpenAI's shape for any other name."""
-    rt = _rt(request)
-    _check_model(rt, model)
-    return _model_card(rt)
+    """One model's card (by model id, name or ``msn``); 404 in OpenAI's shape for any other name."""
+    return _model_card(_check_model(_rt(request), model))
 
 
 class OpenAIErrorShape:

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
-from msn_serve.errors import NAME_RE, check_name
+from msn_serve.errors import NAME_RE, check_name, unprocessable
 from msn_serve.http.embed_response import NPY, RAW, embed_response, negotiate
 from msn_serve.http.inputs import M, read_request
 from msn_serve.http.label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
@@ -27,6 +27,7 @@ from msn_serve.http.schemas import (
     PredictRequest,
     SearchRequest,
 )
+from msn_serve.jsontext import loads
 from msn_serve.runtime import Runtime
 
 router = APIRouter(default_response_class=StrictJSONResponse)
@@ -51,11 +52,12 @@ def _existing(lookup: Callable[[str], Any], name: str, what: str) -> Any:
 
 
 async def _read(request: Request, model: type[M], *, writes: bool = False) -> M:
-    """The request's validated model; a write on a read-only replica is refused before its body is read."""
+    """The request's validated model; a write on a read-only replica is refused before its body is read. Its mask
+    is resolved later, on the patch grid of the model that embeds its images (the one it names, or its store's)."""
     rt = _rt(request)
     if writes:
         rt.require_writer()
-    return await read_request(request, model, rt.settings, rt.info.grid)
+    return await read_request(request, model, rt.settings, None)
 
 
 def _json_bytes(body: bytes) -> Response:
@@ -71,8 +73,11 @@ async def embed(request: Request) -> Response:
     media = negotiate(request.headers.get("accept"))  # a 406 before any work
     rt = _rt(request)
     req = await _read(request, EmbedRequest)
-    emb = await rt.embedding.embed_images(req.images, req.keep_idx, normalize=req.normalize)
-    return embed_response(media, emb, req, rt.info)
+    model = rt.models.get(req.model)
+    with model.use():
+        req.resolve_masks(model.info.grid)
+        emb = await model.embedding.embed_images(req.images, req.keep_idx, normalize=req.normalize)
+    return embed_response(media, emb, req, model.info)
 
 
 # ---- few-shot classifiers ---------------------------------------------------------------------------------------
@@ -82,7 +87,7 @@ async def fewshot_fit(request: Request) -> StrictJSONResponse:
     process, so the server keeps answering during long fits)."""
     req = await _read(request, FitRequest, writes=True)
     clf = await _rt(request).classifiers.fit(req.name, req.labels, req.inputs(), lambd=req.lambd,
-                                             overwrite=req.overwrite, index=req.index, ids=req.ids)
+                                             overwrite=req.overwrite, index=req.index, ids=req.ids, model=req.model)
     return StrictJSONResponse(status_code=201, content={"name": clf.name, "classes": clf.classes, **clf.info})
 
 
@@ -90,10 +95,10 @@ async def fewshot_fit(request: Request) -> StrictJSONResponse:
 async def fewshot_predict(name: Name, request: Request) -> Response:
     """Top-k labels with probabilities for each image/embedding: ``{"predictions": [[{"label", "probability"}]]}``."""
     rt = _rt(request)
-    _existing(rt.classifiers.get, name, CLASSIFIER)
+    clf = _existing(rt.classifiers.get, name, CLASSIFIER)
     req = await _read(request, PredictRequest)
     p = await rt.classifiers.predict(name, req.inputs(), req.k)
-    head = {"name": name, "model_id": rt.info.model_id}
+    head = {"name": name, "model_id": clf.info.get("model_id") or rt.info.model_id}
     return _json_bytes(await rt.work.run(predictions_body, head, p.classes, p.top, p.probability,
                                          rt.settings.max_response_bytes))
 
@@ -149,7 +154,7 @@ async def index_list(request: Request) -> dict[str, Any]:
 async def index_create(name: Name, request: Request) -> StrictJSONResponse:
     """Create an index (its options are fixed from then on)."""
     req = await _read(request, IndexCreateRequest, writes=True)
-    stats = await _rt(request).indexes.create(check_name(name, INDEX), req.spec())
+    stats = await _rt(request).indexes.create(check_name(name, INDEX), req.spec(), req.model)
     return StrictJSONResponse(status_code=201, content=stats)
 
 
@@ -216,3 +221,27 @@ async def admin_reload(request: Request) -> dict[str, Any]:
 @router.get("/admin/snapshot", tags=["admin"])
 async def admin_snapshot_status(request: Request) -> dict[str, Any]:
     return await _rt(request).snapshots.status()
+
+
+# ---- several models (docs/serving.md, "Several models") ---------------------------------------------------------
+@router.put("/admin/models/{name}", tags=["admin"], openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"type": "object", "required": ["bundle"], "additionalProperties": False,
+                                    "properties": {"bundle": {"type": "string",
+                                                              "description": "bundle directory on the server"}}}}}}})
+async def admin_put_model(name: str, request: Request) -> dict[str, Any]:
+    """Add or replace model ``name`` with the bundle at ``bundle``: it is loaded, gated and warmed up before it takes
+    traffic; requests already holding the old one finish on it, then it stops. A bundle that cannot be served is
+    a 4xx and the old model keeps serving."""
+    rt = _rt(request)
+    rt.require_writer()
+    body = loads(await request.body() or b"{}", "request body")
+    if not isinstance(body, dict) or set(body) - {"bundle"}:
+        raise unprocessable('send {"bundle": "/path/to/bundle"}: the bundle directory on the server')
+    return await rt.put_model(name, body.get("bundle"))
+
+
+@router.delete("/admin/models/{name}", tags=["admin"])
+async def admin_delete_model(name: str, request: Request) -> dict[str, Any]:
+    """Stop serving model ``name`` once its requests are done (not the last model; the first remaining model
+    becomes the default when it was the default)."""
+    return await _rt(request).remove_model(name)

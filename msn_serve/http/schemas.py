@@ -71,7 +71,7 @@ class RequestModel(BaseModel):
     def inputs(self) -> Inputs:
         """The images (with their kept patches) or vectors this request sends, as the services take them."""
         vectors = getattr(self, self.VECTORS) if self.VECTORS else None
-        return Inputs(images=self._images, keep_idx=self._keep_idx, vectors=vectors)
+        return Inputs(images=self._images, keep_idx=self._keep_idx, vectors=vectors, mask=getattr(self, "mask", None))
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], settings: Settings, *, multipart: bool = False,
@@ -88,12 +88,13 @@ class RequestModel(BaseModel):
             raise validation_error(e) from None
         req._images = list(images or [])
         if grid is not None:
-            req._resolve_masks(grid)
+            req.resolve_masks(grid)
         return req
 
-    def _resolve_masks(self, grid: int) -> None:
-        """``keep_idx`` of the images that will be embedded: none when there are no images, or when vectors are
-        sent too (the service answers that one is one too many)."""
+    def resolve_masks(self, grid: int) -> None:
+        """``keep_idx`` of the images that will be embedded, on the patch ``grid`` of the model that embeds them:
+        none when there are no images, or when vectors are sent too (the service answers that one is one too many).
+        Without it, the embedding service of the model a store names resolves the mask (:class:`Inputs`)."""
         if not self._images or (self.VECTORS and getattr(self, self.VECTORS) is not None):
             return
         try:
@@ -164,12 +165,18 @@ def validation_error(e: ValidationError) -> ApiError:
 
 
 # ---- the endpoints --------------------------------------------------------------------------------------------------
+ModelName = Annotated[str | None, Field(min_length=1, max_length=64, description=(
+    "the model to use, by name (GET /v1/models); default: the server's default model"))]
+
+
 class EmbedRequest(RequestModel):
     """``POST /embed``."""
 
+    TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"model"})
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"mask"})
     mask: Mask = None
     normalize: bool = Field(False, description="L2-normalise the embeddings")
+    model: ModelName = None
 
 
 def _fit_ids(value: Any, info: ValidationInfo) -> np.ndarray | None:
@@ -179,7 +186,7 @@ def _fit_ids(value: Any, info: ValidationInfo) -> np.ndarray | None:
 class FitRequest(RequestModel):
     """``POST /fewshot/fit``: images, embeddings, or ids of items stored in an index; one label each."""
 
-    TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"name", "index"})
+    TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"name", "index", "model"})
     VECTORS: ClassVar[str | None] = "embeddings"
     JSON_FIELDS: ClassVar[frozenset[str]] = frozenset({"labels", "embeddings", "mask", "ids"})
     name: str = Field(description=f"classifier name, matching {NAME_RE.pattern}")
@@ -193,6 +200,7 @@ class FitRequest(RequestModel):
                                 "lambd / n (MSN protocol); default MSN_SERVE_DEFAULT_LAMBD (0.00025)")
     overwrite: bool = Field(False, description="replace an existing classifier")
     mask: Mask = None
+    model: ModelName = None
 
     @field_validator("name", "index")
     @classmethod
@@ -240,6 +248,7 @@ class IndexCreateRequest(RequestModel):
     """``POST /index/{name}``: the options of a new index (immutable afterwards)."""
 
     IMAGES: ClassVar[bool] = False
+    TEXT_FIELDS: ClassVar[frozenset[str]] = frozenset({"model"})
     metric: Literal["ip", "l2"] = Field("ip", description="ip (cosine when normalised) or l2")
     type: Literal["flat", "ivf", "hnsw", "auto"] = Field(
         "flat", description="flat = exact IndexIDMap2(IndexFlat*); auto = exact, then re-tuned as it grows")
@@ -257,10 +266,11 @@ class IndexCreateRequest(RequestModel):
     retune_growth: float | None = Field(None, gt=1.1, le=100.0, description="auto: re-tune after growing this many "
                                                                            "times (default 2)")
     deletes: bool | None = Field(None, description="auto: only kinds that can delete/replace (default true)")
+    model: ModelName = None
 
     def spec(self) -> dict[str, Any]:
-        """The options the client set (the index store fills in the defaults)."""
-        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if v is not None}
+        """The options the client set (the index store fills in the defaults; the model is the service's)."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if v is not None and k != "model"}
 
 
 class IndexAddRequest(RequestModel):

@@ -8,17 +8,20 @@ number of queries and results is bounded before any work. A reader's reload swap
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from msn_serve.config import Settings, check_results
-from msn_serve.embedding.service import EmbeddingService, Inputs
+from msn_serve.embedding.service import Inputs
 from msn_serve.errors import read_only_replica, too_large
 from msn_serve.indexes.managed import ManagedIndex
 from msn_serve.indexes.metadata import Texts
 from msn_serve.indexes.store import IndexStore
 from msn_serve.work import WorkPool
+
+if TYPE_CHECKING:
+    from msn_serve.embedding.models import ModelRegistry
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,16 @@ class SearchHits:
 
 
 class IndexService:
-    """The index store (swapped on a reader's reload) and what a caller may do with its indexes."""
+    """The index store (swapped on a reader's reload) and what a caller may do with its indexes.
 
-    def __init__(self, settings: Settings, store: IndexStore, *, embedding: EmbeddingService, work: WorkPool,
+    Images sent to an index are embedded by the model that made it (``models``: the models served, by name and by
+    model id), whichever model a request would otherwise use.
+    """
+
+    def __init__(self, settings: Settings, store: IndexStore, *, models: ModelRegistry, work: WorkPool,
                  read_only: bool):
         self.settings, self.store, self.read_only = settings, store, read_only
-        self.embedding, self.work = embedding, work
+        self.models, self.work = models, work
 
     def get(self, name: str) -> ManagedIndex:
         """The index named ``name`` (404 when there is none)."""
@@ -46,9 +53,12 @@ class IndexService:
     def describe(self) -> list[dict[str, Any]]:
         return self.store.describe()
 
-    async def create(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        """Create an index with the options in ``spec`` (the store fills in defaults); its stats."""
-        idx = await self.work.run(lambda: self.store.create(name, spec))
+    async def create(self, name: str, spec: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+        """Create an index bound to ``model`` (a name; the default model for None) with the options in ``spec``
+        (the store fills in defaults, the width from that model); its stats."""
+        info = self.models.get(model).info
+        idx = await self.work.run(lambda: self.store.create(name, spec, model_id=info.model_id,
+                                                            default_dim=info.embed_dim))
         return idx.stats()
 
     async def drop(self, name: str) -> None:
@@ -61,11 +71,14 @@ class IndexService:
             raise read_only_replica()
         idx = self.store.find(name)
         if idx is not None:
-            self.store.bound(name)  # 409 before any embedding when another model made it
-        dim = idx.cfg.dim if idx is not None else self.embedding.info.embed_dim
-        vecs = await self.embedding.vectors(inputs, "vectors", dim)
+            self.store.bound(name)  # 409 before any embedding when no model served made it
+        model = self.models.for_store("index", name, idx.cfg.model_id if idx is not None else None)
+        dim = idx.cfg.dim if idx is not None else model.info.embed_dim
+        with model.use():
+            vecs = await model.embedding.vectors(inputs, "vectors", dim)
         if idx is None:
-            idx = await self.work.run(lambda: self.store.create(name, {"dim": vecs.shape[1]}, exist_ok=True))
+            idx = await self.work.run(lambda: self.store.create(name, {"dim": vecs.shape[1]}, exist_ok=True,
+                                                                model_id=model.info.model_id))
         out = await self.work.run(idx.add, ids, vecs, metadata)
         return {"name": name, **out, "ntotal": idx.ntotal}
 
@@ -81,7 +94,9 @@ class IndexService:
                             "(max_queries_per_search)")
         k = min(k, idx.ntotal)
         check_results(queries, k, s.max_results_per_request)
-        vecs = await self.embedding.vectors(inputs, "vectors", idx.cfg.dim)
+        model = self.models.for_store("index", name, idx.cfg.model_id)
+        with model.use():
+            vecs = await model.embedding.vectors(inputs, "vectors", idx.cfg.dim)
         scores, ids, texts = await self.work.run(idx.query, vecs, k, nprobe, ef_search)
         return SearchHits(metric=idx.cfg.metric, scores=scores, ids=ids, metadata=texts)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ class IndexStore:
         if not read_only:
             self.root.mkdir(parents=True, exist_ok=True)
         self.default_dim, self.model_id = default_dim, model_id
+        # Every model id the server runs (a live set the model registry keeps current; this one model otherwise).
+        self.served: Collection[str] = (model_id,)
         self.compact_bytes = int(compact_mb * 2**20)
         self.metadata_limit = None if metadata_mb is None else int(metadata_mb * 2**20)
         self._lock = threading.Lock()
@@ -65,19 +68,22 @@ class IndexStore:
         """The index named ``name`` for a search, a write or the label loop: 404 when there is none, 409
         (:class:`~msn_serve.errors.ModelMismatch`) when another model made it. Stats and drop use :meth:`get`."""
         idx = self.get(name)
-        check_model("index", name, idx.cfg.model_id, self.model_id)
+        check_model("index", name, idx.cfg.model_id, self.served)
         return idx
 
     def mismatched(self) -> dict[str, str]:
         """``{name: model_id}`` of the indexes another model made (refused until migrated or dropped)."""
         return {name: idx.cfg.model_id for name, idx in self.indexes.items()
-                if not model_matches(idx.cfg.model_id, self.model_id)}
+                if not model_matches(idx.cfg.model_id, self.served)}
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{**idx.stats(), "model_matches": model_matches(idx.cfg.model_id, self.model_id)}
+        return [{**idx.stats(), "model_matches": model_matches(idx.cfg.model_id, self.served)}
                 for idx in list(self.indexes.values())]
 
-    def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False) -> ManagedIndex:
+    def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False, model_id: str | None = None,
+               default_dim: int | None = None) -> ManagedIndex:
+        """A new index bound to ``model_id`` (default: the store's model), ``default_dim`` wide unless ``spec``
+        says otherwise."""
         if self.read_only:
             raise read_only_replica()
         with self._lock:
@@ -85,7 +91,7 @@ class IndexStore:
                 if exist_ok:
                     return self.indexes[name]
                 raise conflict(f"index {name!r} already exists")
-            cfg = config_from_spec(spec, self.default_dim, self.model_id)
+            cfg = config_from_spec(spec, default_dim or self.default_dim, model_id or self.model_id)
             with persisting(f"create index {name!r}"):
                 idx = self._configure(ManagedIndex.create(self.root / name, cfg, self.device))
             self.indexes[name] = idx

@@ -1,24 +1,17 @@
-"""Embed a whole image corpus with an exported bundle, sharded over torchrun ranks (``msn-embed``).
+"""Embed a whole image corpus with torch, sharded over torchrun ranks.
 
 ``torchrun --nproc_per_node=N -m training.bundle.embed --bundle B --data DIR|LIST --out OUT`` (plain ``python -m`` = one
-process). The corpus is any source of ``training/sources.py``, as pretraining reads it: the sorted listing of a folder
-(flat or nested; an ImageFolder tree gives labels), or the lines of a file list (text or CSV, relative paths read
-from the list's folder or ``--image-root``); image *i* of that listing gets id *i*, so ids do not depend on the
-number of ranks or on restarts. The list is cut into shards of ``--shard-size`` consecutive images and shard *s*
-goes to rank ``s % world_size``.
-
-Per shard ``OUT/shard-SSSSS.{emb.npy,ids.npy,paths.jsonl}`` (paths relative to ``--data`` for directories, as
-written for file lists; ``manifest.json``'s ``base`` is the folder they are relative to) are written through
-temporary files (fsync + rename)
-and then ``shard-SSSSS.json`` commits it; a restart skips every committed shard, so a killed job loses at most one
-shard per rank. Unreadable images are skipped (no embedding, no id) and listed in the shard's JSON. Rank 0 finally
-writes ``manifest.json`` (model id, dim, shards, counts), which is what ``msn-index build`` reads.
+process). ``msn-embed`` runs the torch-free driver (:mod:`msn_serve.corpus`, the serving engine) and hands over to
+this module only for ``--backend torch`` or when torchrun starts it with several ranks. The corpus is any source of
+:mod:`msn_core.sources`, as pretraining reads it; image *i* of that listing gets id *i*, so ids do not depend on the
+number of ranks or on restarts. The list is cut into shards of ``--shard-size`` consecutive images and shard *s* goes
+to rank ``s % world_size``; the files, their commit records, ``run.json`` and ``manifest.json`` (what ``msn-index
+build`` reads) are :mod:`msn_core.corpus`'s layout, the same as the torch-free driver writes. A killed job loses at
+most one shard per rank; unreadable images are skipped (no embedding, no id) and listed in the shard's JSON.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -31,31 +24,35 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from msn_core.bundle import META_FILE, load_bundle_info
-from msn_core.durable import atomic_write, atomic_write_json
+from msn_core.corpus import (
+    FORMAT,
+    FORMAT_VERSION,
+    RunMismatch,
+    bundle_fingerprint,
+    check_run,
+    corpus_items,
+    listing_sha256,
+    shard_dims,
+    shard_done,
+    write_manifest,
+    write_shard,
+)
+from msn_core.sources import FILE_SOURCES, SourceError, SourceListing, list_images
 from training.data import load_image, pil_to_tensor
 from training.distributed import barrier, cleanup, init_distributed
-from training.evaluation.features import OnnxEmbedder, TorchEmbedder, bundle_fingerprint
-from training.sources import FILE_SOURCES, SourceError, SourceListing, list_images
+from training.evaluation.features import OnnxEmbedder, TorchEmbedder
 from training.views import eval_transform
 
 log = logging.getLogger("msn.embed")
-FORMAT = "msn-embeddings"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT", "FORMAT_VERSION", "corpus_items", "embed_shard", "list_corpus", "main"]
 
 
 # ------------------------------------------------------------------------------------------------ the corpus
 
 
 def list_corpus(data: Path, source: str = "auto", image_root: Path | None = None) -> SourceListing:
-    """The corpus in id order (``training.sources.list_images``: the same listing pretraining reads)."""
+    """The corpus in id order (``msn_core.sources.list_images``: the same listing pretraining reads)."""
     return list_images(source, data, image_root=image_root)
-
-
-def corpus_items(listing: SourceListing) -> list[tuple[str, str | None, str]]:
-    """``[(path as recorded, class name or None, path to open)]`` in id order."""
-    classes, labels = listing.classes, listing.labels
-    names = [classes[k] for k in labels] if classes is not None and labels is not None else [None] * len(listing)
-    return list(zip(listing.names, names, listing.files))
 
 
 class _Images(Dataset):
@@ -91,10 +88,6 @@ def _embedder(bundle: Path, backend: str, device: str, threads: int):
     return OnnxEmbedder(bundle, device=device, intra_op_threads=threads)
 
 
-def shard_name(s: int) -> str:
-    return f"shard-{s:05d}"
-
-
 def embed_shard(out: Path, s: int, items: list[tuple[str, str | None, str]], first_id: int, embedder, pre: dict,
                 args: argparse.Namespace, bar) -> dict:
     """Embed one shard and commit it; returns the shard record written to ``shard-SSSSS.json``."""
@@ -116,60 +109,7 @@ def embed_shard(out: Path, s: int, items: list[tuple[str, str | None, str]], fir
     for err in skipped:
         log.warning("skipping unreadable image %s (%s)", err["path"], err["error"])
     emb = np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)
-    if not np.isfinite(emb).all():
-        raise RuntimeError(f"{shard_name(s)}: the model produced NaN/inf embeddings")
-    name = shard_name(s)
-    rows = [json.dumps({"id": i, "path": items[i - first_id][0], "label": items[i - first_id][1]})
-            for i in ids]
-    atomic_write(out / f"{name}.emb.npy", lambda f: np.save(f, emb))
-    atomic_write(out / f"{name}.ids.npy", lambda f: np.save(f, np.asarray(ids, dtype=np.int64)))
-    atomic_write(out / f"{name}.paths.jsonl", lambda f: f.write("".join(r + "\n" for r in rows).encode()))
-    record = {"shard": s, "embeddings": f"{name}.emb.npy", "ids": f"{name}.ids.npy", "paths": f"{name}.paths.jsonl",
-              "first_id": first_id, "files": len(items), "count": len(ids), "dim": int(emb.shape[1]) if len(ids) else 0,
-              "skipped": skipped}
-    atomic_write_json(out / f"{name}.json", record)  # the commit point: a shard without it is redone
-    return record
-
-
-def _shard_done(out: Path, s: int, n_files: int) -> dict | None:
-    path = out / f"{shard_name(s)}.json"
-    if not path.is_file():
-        return None
-    rec = json.loads(path.read_text())
-    if rec.get("files") != n_files or not all((out / rec[k]).is_file() for k in ("embeddings", "ids", "paths")):
-        return None
-    return rec
-
-
-IDENTITY = ("model_id", "bundle_sha256", "feature", "backend", "num_files", "files_sha256", "shard_size")
-
-
-def _check_run(out: Path, run: dict) -> None:
-    """Refuse to mix shards of two different runs (other weights, backend, corpus or shard size) in one directory;
-    paths are not compared, so the same job may be restarted from another working directory or mount point."""
-    path = out / "run.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        diff = sorted(k for k in IDENTITY if old.get(k) != run[k])
-        if diff:
-            raise SystemExit(f"msn-embed: {out} holds embeddings of a different run (differs in {diff}); "
-                             "use a fresh --out directory or delete it")
-    else:
-        atomic_write_json(path, run)
-
-
-def write_manifest(out: Path, run: dict, n_shards: int, dim: int, seconds: float) -> dict:
-    shards = []
-    for s in range(n_shards):
-        rec = json.loads((out / f"{shard_name(s)}.json").read_text())
-        shards.append({k: rec[k] for k in ("shard", "embeddings", "ids", "paths", "first_id", "files", "count")}
-                      | {"skipped": len(rec["skipped"])})
-    skipped = sum(s["skipped"] for s in shards)
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **{k: v for k, v in run.items() if k != "started"},
-                "dim": dim, "count": sum(s["count"] for s in shards), "skipped": skipped, "shards": shards,
-                "seconds": round(seconds, 2), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    atomic_write_json(out / "manifest.json", manifest)
-    return manifest
+    return write_shard(out, s, items, first_id, ids, emb, skipped)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -181,7 +121,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, required=True,
                    help="a folder of images (flat, nested or root/<class>/...) or a file list (.txt/.csv)")
     p.add_argument("--source", choices=list(FILE_SOURCES), default="auto",
-                   help="how to read --data (training/sources.py; auto: a file is a list, a folder is listed whole)")
+                   help="how to read --data (msn_core/sources.py; auto: a file is a list, a folder is listed whole)")
     p.add_argument("--image-root", type=Path, help="where a file list's relative paths point (default: its folder)")
     p.add_argument("--out", type=Path, required=True, help="output directory for shards + manifest.json")
     p.add_argument("--backend", choices=["onnx", "torch"], default="onnx",
@@ -207,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist = init_distributed("cuda" if args.device == "cuda" else "cpu")
     try:
         return _run(args, dist)
+    except RunMismatch as e:
+        raise SystemExit(f"msn-embed: {e}") from None
     finally:
         cleanup()
 
@@ -223,18 +165,18 @@ def _run(args: argparse.Namespace, dist) -> int:
     run = {"model_id": info.model_id, "feature": info.feature,
            "bundle": str(args.bundle.resolve()), "bundle_sha256": bundle_fingerprint(args.bundle),
            "backend": args.backend, "source": str(args.data.resolve()), "base": str(Path(listing.base).resolve()),
-           "num_files": len(items), "files_sha256": hashlib.sha256("\n".join(p for p, _, _ in items).encode()).hexdigest(),
+           "num_files": len(items), "files_sha256": listing_sha256(items),
            "shard_size": args.shard_size,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if dist.rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        _check_run(args.out, run)
+        check_run(args.out, run)
     barrier()
     if dist.rank != 0:
-        _check_run(args.out, run)  # rank 0 wrote run.json; every rank verifies it runs the same job
+        check_run(args.out, run)  # rank 0 wrote run.json; every rank verifies it runs the same job
     n_shards = -(-len(items) // args.shard_size)
     mine = [s for s in range(n_shards) if s % dist.world_size == dist.rank]
-    todo = [s for s in mine if _shard_done(args.out, s, len(items[s * args.shard_size:(s + 1) * args.shard_size]))
+    todo = [s for s in mine if shard_done(args.out, s, len(items[s * args.shard_size:(s + 1) * args.shard_size]))
             is None]
     log.info("rank %d/%d: %d of its %d shards to embed (%d images in total, %d shards)", dist.rank,
              dist.world_size, len(todo), len(mine), len(items), n_shards)
@@ -258,7 +200,7 @@ def _run(args: argparse.Namespace, dist) -> int:
         bar.close()
     barrier()
     if dist.rank == 0:
-        dims = {json.loads((args.out / f"{shard_name(s)}.json").read_text())["dim"] for s in range(n_shards)} - {0}
+        dims = shard_dims(args.out, n_shards)
         if len(dims) != 1:
             raise SystemExit(f"msn-embed: shards disagree on the embedding size {sorted(dims)} (or none embedded)")
         m = write_manifest(args.out, run, n_shards, dims.pop(), time.perf_counter() - t0)

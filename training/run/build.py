@@ -104,6 +104,7 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
     model: nn.Module = online
     if info.world_size > 1:
         model = DistributedDataParallel(online, device_ids=[device.index] if device.type == "cuda" else None)
+        dist.broadcast_module_(target)  # DDP gave every rank rank 0's online weights; the target starts from them too
     if cfg.run.compile:
         model = torch.compile(model)
     precision = resolve_precision(cfg.run.precision, device)
