@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.render import chaos, gpu, speed
+from benchmarks.render import chaos, gpu, service_models, speed
 from benchmarks.render.speed import faiss_lines, int8_lines
 from benchmarks.render.text import machine_line
 from benchmarks.render.vits import vits_section
@@ -181,6 +181,7 @@ def render(results: Path) -> str:
                  "predict requests; RSS sampled every second.")
         lines += ["## Load and soak", "", usage, ""]
         lines += soak_section(json.loads(soak.read_text()))
+    lines += service_models.two_models_section(results) + service_models.embed_folder_section(results)
     lines += chaos.section(results)
     return "\n".join(lines).rstrip() + "\n"
 
