@@ -8,8 +8,9 @@ from pathlib import Path
 from benchmarks.render.text import machine_line, sentence, table
 
 USAGE = ("`python -m benchmarks.serving.serve_chaos --minutes 30 --seed 0`: a writer and a read-only replica on one "
-         "data directory, 64 clients with a mixed workload (embed, masked embed, index add and search, few-shot fit "
-         "and predict, the label loop), while at seeded moments the writer is killed with SIGKILL and restarted, "
+         "data directory, 64 clients with a mixed workload (embed, masked embed, index add, delete and search, "
+         "few-shot fit and predict, the label loop; each client keeps a bounded set of vectors in the index), "
+         "while at seeded moments the writer is killed with SIGKILL and restarted, "
          "its data directory's filesystem (a tmpfs) fills up and is freed, and SIGHUP goes to both servers. Every "
          "acknowledged write is looked up after each restart and at the end, on the writer and on the replica.")
 
@@ -39,7 +40,8 @@ def section(results: Path) -> list[str]:
         ["SIGHUPs / versions the replica switched to", f"{s['sighups']} / {s['replica_version_changes']}", ""],
         ["acknowledged writes lost (writer / replica)",
          (f"**{s['acked_writes_lost']}** / **{s['replica_acked_writes_lost']}** of "
-          f"{s['acked_adds_checked_at_end']:,} adds and {s['acked_fits_checked_at_end']} classifiers"), "0"],
+          f"{s['acked_adds_checked_at_end']:,} adds, {s.get('acked_deletes_checked_at_end', 0):,} deletes and "
+          f"{s['acked_fits_checked_at_end']} classifiers"), "0"],
         ["failed while the writer was down", f"{s['failed_in_writer_down_windows']:,}", ""],
         ["5xx or connection errors outside those windows", f"**{s['errors_outside_windows']}**", "0"],
         ["500 answers", f"**{s['status_500']}**", "0"],

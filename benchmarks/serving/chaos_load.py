@@ -8,15 +8,21 @@ a 503/507 backs off and goes on, as a real client with a retry policy would. Eve
 detail of a failure)`` in wall-clock seconds, so the controller can tell which
 answers fell inside a fault window.
 
-Acknowledged writes go to an append-only log per client process, one line per event, written after the 2xx:
-``add <id>`` (ids are unique per soak, so an acked id must be found whatever happens later), ``try <name> <seq>``
-before a fit is sent and ``fit <name> <seq>`` once it is acknowledged (each client overwrites its own classifier,
-whose class names carry ``seq``). :func:`check_acked` reads the logs and asks a server for every acked write.
+The written index holds a bounded working set: once a client has :data:`KEEP_LIVE` acknowledged adds, its next
+write deletes the oldest of them instead, so the index (and the writer's memory) stops growing after a minute or
+two and RSS growth measures leaks, not data.
+
+Acknowledged writes go to an append-only log per client process, one line per event: ``add <id>`` after the 2xx
+(ids are unique per soak), ``untry <id>`` before a delete is sent and ``del <id>`` once it is acknowledged,
+``try <name> <seq>`` before a fit is sent and ``fit <name> <seq>`` once it is acknowledged (each client overwrites
+its own classifier, whose class names carry ``seq``). :func:`check_acked` reads the logs and asks a server for
+every acked write: an acked add never sent for deletion must be found, an acked delete must stay deleted.
 :class:`Prober` polls ``/healthz`` of both servers, the replica's served version and the filesystem's use.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -33,13 +39,13 @@ ID_STRIDE = 10**9  # client c of process p writes ids (p * 1000 + c) * ID_STRIDE
 BACKOFF_S, BACKOFF_MAX_S = 0.25, 2.0
 KEEPALIVE_S = 2.0  # the clients' idle-connection expiry, below msn-serve's timeout_keep_alive_s
 CLIENT_NICE = 10  # niceness of the client processes (see client_process)
+KEEP_LIVE = 10  # acked adds a client keeps in the written index; beyond that its writes delete the oldest
 # (kind, share of requests); reads marked "either" go to the read replica half of the time
 # Adds are few and small: every published version (kept 300 s after its successor) holds the whole written index,
 # and all versions live on the soak's small filesystem, which must fill only when the soak fills it.
 MIX = (("embed", 0.35), ("embed_masked", 0.12), ("add", 0.08), ("search", 0.17), ("fit", 0.03),
        ("predict", 0.10), ("select", 0.05), ("suggest", 0.05), ("predict_index", 0.05))
 EITHER = {"search", "predict", "select", "suggest", "predict_index"}
-WRITES = {"add", "fit"}
 
 
 def vectors_for(ids: list[int], dim: int) -> np.ndarray:
@@ -78,6 +84,7 @@ async def _clients(writer: str, reader: str | None, images: list[bytes], dim: in
 
     async def one(http: dict[str, httpx.AsyncClient], client: int) -> None:
         base_id, name, n, failures = (proc * 1000 + client) * ID_STRIDE, f"p{proc}c{client}", 0, 0
+        live: collections.deque[list[int]] = collections.deque()  # this client's acked adds still in the index
         while time.time() < stop_at:
             n += 1
             kind = kinds[min(int(np.searchsorted(cumulative, rng.random())), len(kinds) - 1)]
@@ -90,6 +97,10 @@ async def _clients(writer: str, reader: str | None, images: list[bytes], dim: in
                 if kind in ("embed", "embed_masked"):
                     data = {"mask": json.dumps({"ratio": 0.5, "seed": n})} if kind == "embed_masked" else None
                     r = await c.post("/embed", files={"image": images[(client + n) % len(images)]}, data=data)
+                elif kind == "add" and len(live) >= KEEP_LIVE:
+                    kind, ids = "delete", live[0]
+                    log.write("".join(f"untry {i}\n" for i in ids))
+                    r = await c.post(f"/index/{INDEX}/delete", json={"ids": ids})
                 elif kind == "add":
                     ids = [base_id + n * 10 + j for j in range(1 + n % 2)]
                     r = await c.post(f"/index/{INDEX}/add", json={"ids": ids,
@@ -114,6 +125,10 @@ async def _clients(writer: str, reader: str | None, images: list[bytes], dim: in
             records.append((t0, time.time(), target, kind, code, detail))
             if code in (200, 201) and kind == "add":
                 log.write("".join(f"add {i}\n" for i in ids))
+                live.append(ids)
+            elif code == 200 and kind == "delete":
+                log.write("".join(f"del {i}\n" for i in ids))
+                live.popleft()
             elif code == 201 and kind == "fit":
                 log.write(f"fit {name} {n}\n")
             # The writer is down, busy or its disk is full: back off (doubling while it lasts), then go on. Clients
@@ -145,8 +160,11 @@ def client_process(args: tuple) -> list[tuple]:
 
 
 def read_log(paths: list[Path]) -> dict:
-    """Acked adds, the last acked seq of each classifier and every seq tried, from complete lines only."""
+    """Acked adds and deletes, ids sent for deletion, the last acked seq of each classifier and every seq tried,
+    from complete lines only."""
     adds: list[int] = []
+    deleted: list[int] = []
+    untried: set[int] = set()
     acked: dict[str, int] = {}
     tried: dict[str, set[int]] = {}
     for path in paths:
@@ -156,48 +174,83 @@ def read_log(paths: list[Path]) -> dict:
             what, *rest = line.split()
             if what == "add":
                 adds.append(int(rest[0]))
+            elif what == "untry":
+                untried.add(int(rest[0]))
+            elif what == "del":
+                deleted.append(int(rest[0]))
             elif what == "try":
                 tried.setdefault(rest[0], set()).add(int(rest[1]))
             elif what == "fit":
                 acked[rest[0]] = max(acked.get(rest[0], 0), int(rest[1]))
-    return {"adds": adds, "fits": acked, "tried": tried}
+    return {"adds": adds, "deleted": deleted, "untried": untried, "fits": acked, "tried": tried}
+
+
+def _nearest(c, ids: list[int], dim: int, batch: int, k: int = 1) -> tuple[list[list[dict] | None], list[str]]:
+    """Each id's stored vector searched for in the written index: its hits, or ``None`` where the search failed."""
+    out: list[list[dict] | None] = []
+    errors: list[str] = []
+    for i in range(0, len(ids), batch):
+        part = ids[i:i + batch]
+        r = c.post(f"/index/{INDEX}/search", json={"vectors": vectors_for(part, dim).tolist(), "k": k})
+        if r.status_code != 200:  # the index itself is gone or broken: nothing asked for was found
+            errors.append(f"search answered {r.status_code}: {r.text[:200]}")
+            out += [None] * len(part)
+        else:
+            out += r.json()["results"]
+    return out, errors
+
+
+def _is_stored(want: int, hits: list[dict] | None) -> bool:
+    """The id is its own nearest neighbour at distance 0 (same vector, l2)."""
+    return bool(hits) and hits[0]["id"] == want and hits[0]["score"] <= 1e-6
+
+
+def _diagnose(c, lost: list[int], first: list, dim: int) -> dict:
+    """What the server held for ids found missing: the hits the batched search gave, each id searched alone
+    right away and again a few seconds later, and the index's own counters; so a missing write can be told
+    apart from a transient miss or a checker fault."""
+    stats = c.get(f"/index/{INDEX}")
+    detail: dict = {"index": {k: stats.json().get(k) for k in ("ntotal", "seq", "wal_bytes")}
+                    if stats.status_code == 200 else stats.status_code, "ids": []}
+    alone, _ = _nearest(c, lost, dim, batch=1, k=3)
+    time.sleep(3.0)
+    later, _ = _nearest(c, lost, dim, batch=len(lost) or 1, k=3)
+    for want, hits, a, b in zip(lost, first, alone, later, strict=True):
+        detail["ids"].append({"id": want, "batched": (hits or [])[:3], "alone": a, "alone_found": _is_stored(want, a),
+                              "after_3s": b, "after_3s_found": _is_stored(want, b)})
+    return detail
 
 
 def check_acked(url: str, dim: int, logs: list[Path], batch: int = 500) -> dict:
-    """Ask the server at ``url`` for every acknowledged write in ``logs``: each acked id must be its own nearest
-    neighbour (same vector, distance 0), each classifier must hold its last acked fit or a later one that was
-    sent (a fit in flight at a kill may have landed unacknowledged)."""
+    """Ask the server at ``url`` for every acknowledged write in ``logs``: each acked add never sent for deletion
+    must be its own nearest neighbour (same vector, distance 0), each acked delete must not be found, each
+    classifier must hold its last acked fit or a later one that was sent (a fit in flight at a kill may have
+    landed unacknowledged). Missing writes come with :func:`_diagnose`'s detail."""
     import httpx
 
     t0 = time.time()
     before = read_log(logs)
-    lost_ids: list[int] = []
     bad_fits: list[str] = []
-    errors: list[str] = []
     with httpx.Client(base_url=url, timeout=120) as c:
-        adds = before["adds"]
-        for i in range(0, len(adds), batch):
-            ids = adds[i:i + batch]
-            r = c.post(f"/index/{INDEX}/search", json={"vectors": vectors_for(ids, dim).tolist(), "k": 1})
-            if r.status_code != 200:  # the index itself is gone or broken: every id asked for is lost
-                errors.append(f"search answered {r.status_code}: {r.text[:200]}")
-                lost_ids += ids
-                continue
-            for want, hits in zip(ids, r.json()["results"], strict=True):
-                if not hits or hits[0]["id"] != want or hits[0]["score"] > 1e-6:
-                    lost_ids.append(want)
+        adds, deleted = before["adds"], before["deleted"]
+        found, errors = _nearest(c, adds + deleted, dim, batch)
         stored: dict[str, int | None] = {}
         for name in before["fits"]:
             r = c.get(f"/fewshot/{name}")
             stored[name] = int(r.json()["classes"][0][1:-1]) if r.status_code == 200 else None
-    tried = read_log(logs)["tried"]  # read after the server: a fit sent meanwhile may be what is stored
+        after = read_log(logs)  # read after the server: a delete or fit sent meanwhile may be what it holds
+        missing = [(i, h) for i, h in zip(adds, found[:len(adds)], strict=True)
+                   if i not in after["untried"] and not _is_stored(i, h)]
+        undone = [i for i, h in zip(deleted, found[len(adds):], strict=True) if _is_stored(i, h)]
+        detail = _diagnose(c, [i for i, _ in missing[:5]], [h for _, h in missing[:5]], dim) if missing else None
     for name, seq in before["fits"].items():
         got = stored[name]
-        if got is None or got < seq or got not in tried.get(name, set()):
+        if got is None or got < seq or got not in after["tried"].get(name, set()):
             bad_fits.append(f"{name}: acked seq {seq}, stored {got}")
-    return {"adds_checked": len(adds), "adds_lost": len(lost_ids), "lost_ids": lost_ids[:20],
+    return {"adds_checked": len(adds), "adds_lost": len(missing), "lost_ids": [i for i, _ in missing[:20]],
+            "deletes_checked": len(deleted), "deletes_undone": len(undone), "undone_ids": undone[:20],
             "fits_checked": len(before["fits"]), "fits_lost": len(bad_fits), "lost_fits": bad_fits[:10],
-            "errors": errors[:5], "seconds": round(time.time() - t0, 2)}
+            "errors": errors[:5], "missing_detail": detail, "seconds": round(time.time() - t0, 2)}
 
 
 class Prober(threading.Thread):

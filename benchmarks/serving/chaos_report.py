@@ -133,6 +133,11 @@ def log_errors(path: Path) -> dict:
     return dict(found.most_common(20))
 
 
+def _lost(check: dict) -> int:
+    """Acknowledged writes a check did not find: adds missing, deletes undone, classifiers behind."""
+    return check["adds_lost"] + check.get("deletes_undone", 0) + check["fits_lost"]
+
+
 def summarize(raw: dict, writer_log: Path, reader_log: Path) -> dict:
     start = raw["start_at"]
     windows = raw["windows"]
@@ -142,9 +147,9 @@ def summarize(raw: dict, writer_log: Path, reader_log: Path) -> dict:
     disks = [e for e in events if e["kind"] == "disk_full" and "skipped" not in e]
     hups = [e for e in events if e["kind"] == "sighup" and "skipped" not in e]
     checks = raw["checks"]
-    lost = max((c["adds_lost"] + c["fits_lost"] for c in checks), default=0)
+    lost = max((_lost(c) for c in checks), default=0)
     final_reader = raw["final"]["reader"]
-    replica_lost = (final_reader["adds_lost"] + final_reader["fits_lost"]) if "adds_lost" in final_reader else None
+    replica_lost = _lost(final_reader) if "adds_lost" in final_reader else None
     disk_507 = {i: 0 for i in range(len(disks))}
     full = [(a, b) for k, a, b in windows if k == "disk_full"]
     for t0, t1, _, _, code, _ in raw["records"]:
@@ -166,6 +171,7 @@ def summarize(raw: dict, writer_log: Path, reader_log: Path) -> dict:
         "errors_outside_windows": requests["classes"].get("failed_outside_windows", 0),
         "status_500": requests["status_500"], "acked_writes_lost": lost, "replica_acked_writes_lost": replica_lost,
         "acked_adds_checked_at_end": raw["final"]["writer"]["adds_checked"],
+        "acked_deletes_checked_at_end": raw["final"]["writer"]["deletes_checked"],
         "acked_fits_checked_at_end": raw["final"]["writer"]["fits_checked"],
         "kills": len(kills), "full_disk_episodes": len(disks), "sighups": len(hups),
         "events_skipped": sum(1 for e in events if "skipped" in e),

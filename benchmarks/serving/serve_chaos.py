@@ -218,6 +218,8 @@ class Soak:
         self.orphans += left
         check = chaos_load.check_acked(self.writer.url, self.dim, self.logs)
         self.checks.append({"after": "kill", **check})
+        if check["missing_detail"]:
+            print(f"  acked writes not found after the restart: {json.dumps(check['missing_detail'])}", flush=True)
         return {"recovery_s": round(t_ready - t_kill, 3), "failed_starts": failed_starts,
                 "children_left_running": len(left), "check": check}
 

@@ -1,10 +1,11 @@
 """The chaos soak (``benchmarks/serving/serve_chaos.py``) for three minutes: real writer and replica processes, 64
 clients, writer kills, a full disk (a tmpfs, where this machine lets root mount one) and SIGHUPs at seeded moments.
 
-Asserted: every fault happened, no acknowledged write is missing from the writer after each restart or at the end,
-nor from the replica once it serves the final version; no 500 and no failure outside the windows where the writer
-is down; both servers outlived every SIGHUP and full disk. Latency and memory are reported by the soak, not
-asserted here (on a loaded 2-core machine they say more about the neighbours than about the service).
+Asserted: every fault happened, no acknowledged write (add, delete, classifier fit) is missing from the writer after
+each restart or at the end, nor from the replica once it serves the final version; no 500 and no failure outside
+the windows where the writer is down; both servers outlived every SIGHUP and full disk. Latency and memory are
+reported by the soak, not asserted here (on a loaded 2-core machine they say more about the neighbours than about
+the service).
 Three minutes: each of the three kinds of fault needs a slot long enough for a restart on a loaded machine
 (about 25 s each for two kills, one full disk and two SIGHUPs), after a warm-up and before the final checks.
 """
@@ -31,6 +32,7 @@ def test_three_minute_chaos_soak_loses_no_acknowledged_write(tmp_path):
         assert s["507_on_a_full_disk"] >= 1  # the fault reached the service: writes were refused, then went on
     assert s["events_skipped"] == 0, report["events"]
     assert s["acked_adds_checked_at_end"] > 100 and s["acked_fits_checked_at_end"] > 0
+    assert s["acked_deletes_checked_at_end"] > 0  # clients delete beyond their bounded working set
     assert s["acked_writes_lost"] == 0, report["checks"]
     assert s["replica_acked_writes_lost"] == 0, report["final_check"]
     assert s["status_500"] == 0, report["requests"]["by_status"]
