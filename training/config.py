@@ -116,6 +116,10 @@ class OptimConfig:
     final_weight_decay: float = 0.4
     ema_start: float = 0.996
     ema_end: float = 1.0
+    # a warm start (run.init_from) scales the start and peak lr by warm_lr_scale and starts the EMA at no less than
+    # warm_ema_start (gentler steps on a converged model; docs/training.md, "Warm start", has what 0.5 / 0.996 gave)
+    warm_lr_scale: float = 1.0
+    warm_ema_start: float = 0.0
     horizon_scale: float = 1.25  # schedules span 1.25x the run, as the official code
     clip_grad: float = 3.0  # on the encoder and head; prototypes are not clipped (official)
     fused: bool | None = None  # fused AdamW (numerically the same update); None: on
@@ -301,6 +305,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.budget_minutes={optim.budget_minutes} must be positive")
     if optim.warmup_epochs < 0 or optim.epochs < 1:
         raise ConfigError(f"optim.epochs={optim.epochs} must be >= 1 and optim.warmup_epochs >= 0")
+    if not 0 < optim.warm_lr_scale <= 1 or not 0 <= optim.warm_ema_start < 1:
+        raise ConfigError(f"optim.warm_lr_scale={optim.warm_lr_scale} must be in (0, 1] and optim.warm_ema_start="
+                          f"{optim.warm_ema_start} in [0, 1)")
     if data.batch_size < 2:
         raise ConfigError("data.batch_size must be at least 2 (batch norm in the projection head)")
 

@@ -31,6 +31,7 @@ from benchmarks.training.steps import (
     Step,
     eval_step,
     export_random_init,
+    export_step,
     print_plan,
     run_steps,
     set_args,
@@ -93,10 +94,7 @@ def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[
         cmd = [*torchrun_command(nproc), "training/pretrain.py", "--config", str(CONFIG.relative_to(REPO)),
                "--output-dir", str(out), "--resume", *set_args({**PROFILES[profile], **run.overrides})]
         steps.append(Step(f"pretrain {run.name}", cmd, [out / "done"], pretrain_action(cmd, out)))
-        export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(out / "checkpoint.pt"),
-                  "--out", str(work / "bundles" / run.name)]
-        steps.append(Step(f"export {run.name}", export, [work / "bundles" / run.name / "msn.json"],
-                          subprocess_action(export)))
+        steps.append(export_step(work, out / "checkpoint.pt", run.name))
     random_dir = work / "bundles" / "random_init"
     seed = PROFILES[profile][SEED]
     steps.append(Step("export random_init", [f"(python) export_bundle(VisionTransformer(**msn arch), seed {seed})"],

@@ -86,21 +86,32 @@ def other_folders_section(results: Path) -> str:
 
 
 def warm_start_section(results: Path) -> str:
-    """``benchmarks/results/warm_start.json`` (``python -m benchmarks.training.warm_start``)."""
+    """``benchmarks/results/warm_start.json`` (``python -m benchmarks.training.warm_start``, the default
+    schedules) beside ``warm_start_gentle.json`` (the same run with ``--set optim.warm_lr_scale=0.5 ...``)."""
     path = results / "warm_start.json"
     if not path.exists():
         return ""
     r = json.loads(path.read_text())
-    rows = [f"| {metric} | {v['source']:.1f} | {v['warm']:.1f} | {v['delta']:+.1f} |"
-            for metric, v in r["comparison"]["metrics"].items()]
+    gentle_path = results / "warm_start_gentle.json"
+    gentle = json.loads(gentle_path.read_text()) if gentle_path.exists() else None
+    other = gentle["comparison"]["metrics"] if gentle else {}
+    rows = []
+    for metric, v in r["comparison"]["metrics"].items():
+        o = other.get(metric)
+        rows.append(f"| {metric} | {v['source']:.1f} | {v['warm']:.1f} | {v['delta']:+.1f} | "
+                    + (f"{o['warm']:.1f} | {o['delta']:+.1f} |" if o else "| |"))
     metrics = r["comparison"]["metrics"].values()
     verdict = ("at least the source's on every metric" if r["comparison"]["warm_at_least_source"] else
                f"at least the source's on {sum(v['delta'] >= 0 for v in metrics)} of {len(metrics)} metrics")
+    extra = (f" The last two columns: the same run with `--set {' '.join(gentle['overrides'])}` "
+             f"({gentle['run']['steps']:,} steps)." if gentle else "")
     return "\n".join([
         "## Warm start: a further budget from a finished run", "", machine_line(r["machine"]), "",
         (f"`python -m benchmarks.training.warm_start`: `--init-from {r['source_checkpoint'].split('/main/')[-1]}` "
          f"(recipe `{r['config'].split('/main/')[-1]}`), {r['minutes']:g} more minutes on the same images with a "
-         f"fresh optimiser and schedules ({r['run']['steps']:,} steps). Served feature (`served/`) and the paper's "
-         f"last-block CLS (`cls/`), official low-shot protocol and kNN-20. The warm-started bundle scores {verdict}."),
+         f"fresh optimiser and the recipe's schedules ({r['run']['steps']:,} steps). Served feature (`served/`) "
+         f"and the paper's last-block CLS (`cls/`), official low-shot protocol and kNN-20. The warm-started bundle "
+         f"scores {verdict}.{extra}"),
         "",
-        "| metric | source | warm start | change |", "|---|---|---|---|", *rows, ""])
+        "| metric | source | warm start | change | gentler schedules | change |", "|---|---|---|---|---|---|",
+        *rows, ""])

@@ -36,10 +36,10 @@ from benchmarks.training.steps import (
     Step,
     eval_step,
     export_random_init,
+    export_step,
     print_plan,
     run_steps,
     set_args,
-    subprocess_action,
 )
 from msn_core.durable import atomic_write_json
 
@@ -71,10 +71,7 @@ def build_plan(work: Path, config: Path, budgets: list[float], seed: int) -> lis
     for minutes in budgets:
         name = budget_bundle(minutes)
         steps.append(pretrain_step(work, config, minutes, seed))
-        export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(work / "runs" / name / "checkpoint.pt"),
-                  "--out", str(work / "bundles" / name)]
-        steps.append(Step(f"export {name}", export, [work / "bundles" / name / "msn.json"],
-                          subprocess_action(export)))
+        steps.append(export_step(work, work / "runs" / name / "checkpoint.pt", name))
     first = budget_bundle(budgets[0])
     random_dir = work / "bundles" / "random_init"
     steps.append(Step("export random_init", [f"(python) export_bundle(VisionTransformer(**arch), seed {seed})"],

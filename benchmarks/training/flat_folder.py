@@ -38,7 +38,15 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import REPO, RESULTS, machine, save_json
-from benchmarks.training.steps import Step, eval_step, print_plan, run_steps, subprocess_action
+from benchmarks.training.steps import (
+    Step,
+    bundle_and_pixels_evals,
+    export_step,
+    print_plan,
+    read_evals,
+    run_steps,
+    summarize_evals,
+)
 from msn_core.durable import atomic_write_json
 
 SHOTS = ("1", "2", "5")
@@ -104,15 +112,8 @@ def build_plan(work: Path, budget: str, seed: int, limit: int | None) -> list[St
     steps = [Step("write the flat folder", ["(python) write_flat_folder", str(images)], [images.with_suffix(".json")],
                   lambda: print(f"{write_flat_folder(images, limit=limit)} images in {images}")),
              pretrain_step(work, budget, seed)]
-    export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(work / "run" / "checkpoint.pt"),
-              "--out", str(work / "bundles" / BUNDLE)]
-    steps.append(Step(f"export {BUNDLE}", export, [work / "bundles" / BUNDLE / "msn.json"], subprocess_action(export)))
-    for bundle in (BUNDLE, "pixels"):
-        extra = ["--backend", "pixels"] if bundle == "pixels" else []
-        steps.append(eval_step(work, bundle, "lowshot", ["--shots", *SHOTS, "--splits", "3", *extra],
-                               pixels_source=BUNDLE))
-        steps.append(eval_step(work, bundle, "knn", extra, pixels_source=BUNDLE))
-    return steps
+    return [*steps, export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
+            *bundle_and_pixels_evals(work, BUNDLE, SHOTS)]
 
 
 def trainer_budget(checkpoint: Path) -> dict:
@@ -133,12 +134,8 @@ def collect(work: Path, budget: str, seed: int) -> dict:
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     run = {"steps": records[-1]["step"], "epochs": records[-1].get("epoch"), "images_per_sec": statistics.median(rates),
            "skipped_files": records[-1].get("skipped_files"), **json.loads((run_dir / "done.json").read_text())}
-    evals = {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
-    summary = {}
-    for bundle in (BUNDLE, "pixels"):
-        lowshot = evals.get(f"{bundle}-lowshot", {}).get("results", [])
-        knn = evals.get(f"{bundle}-knn", {}).get("results", [{}])
-        summary[bundle] = {**{r["setting"]: round(r["mean"], 2) for r in lowshot}, "knn": knn[0].get("top1")}
+    evals = read_evals(work)
+    summary = summarize_evals(evals, (BUNDLE, "pixels"))
     return {"machine": machine(), "budget": budget, "seed": seed, "images": json.loads(
         (work / "images.json").read_text())["images"], "command": pretrain_step(work, budget, seed).command,
         "config": config, "run": run, "summary": summary, "evals": evals}

@@ -40,7 +40,15 @@ import yaml
 
 from benchmarks.common import REPO, RESULTS, machine, save_json
 from benchmarks.training.flat_folder import trainer_budget
-from benchmarks.training.steps import Step, eval_step, print_plan, run_steps, subprocess_action
+from benchmarks.training.steps import (
+    Step,
+    bundle_and_pixels_evals,
+    export_step,
+    print_plan,
+    read_evals,
+    run_steps,
+    summarize_evals,
+)
 from msn_core.durable import atomic_write_json
 
 SHOTS = ("1", "2", "5")
@@ -117,16 +125,8 @@ def build_plan(work: Path, size: int, budget: str) -> list[Step]:
     steps = [Step(f"write the {size} px folders", ["(python) write_folders", str(work)], [work / "images.json"],
                   lambda: print(f"{write_folders(work, size)} training images in {work / 'flat'}")),
              pretrain_step(work, budget)]
-    export = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(work / "run" / "checkpoint.pt"),
-              "--out", str(work / "bundles" / BUNDLE)]
-    steps.append(Step(f"export {BUNDLE}", export, [work / "bundles" / BUNDLE / "msn.json"], subprocess_action(export)))
-    data = str(work / "labelled")
-    for bundle in (BUNDLE, "pixels"):
-        extra = ["--backend", "pixels"] if bundle == "pixels" else []
-        steps.append(eval_step(work, bundle, "lowshot", ["--shots", *SHOTS, "--splits", "3", *extra],
-                               pixels_source=BUNDLE, data=data))
-        steps.append(eval_step(work, bundle, "knn", extra, pixels_source=BUNDLE, data=data))
-    return steps
+    return [*steps, export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
+            *bundle_and_pixels_evals(work, BUNDLE, SHOTS, data=str(work / "labelled"))]
 
 
 def collect(work: Path, size: int, budget: str) -> dict:
@@ -138,12 +138,8 @@ def collect(work: Path, size: int, budget: str) -> dict:
     run = {"steps": records[-1]["step"], "epochs": records[-1].get("epoch"),
            "images_per_sec": statistics.median(rates), "collapse": collapse,
            **json.loads((run_dir / "done.json").read_text())}
-    evals = {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
-    summary = {}
-    for bundle in (BUNDLE, "pixels"):
-        lowshot = evals.get(f"{bundle}-lowshot", {}).get("results", [])
-        knn = evals.get(f"{bundle}-knn", {}).get("results", [{}])
-        summary[bundle] = {**{r["setting"]: round(r["mean"], 2) for r in lowshot}, "knn": knn[0].get("top1")}
+    evals = read_evals(work)
+    summary = summarize_evals(evals, (BUNDLE, "pixels"))
     return {"size": size, "images": json.loads((work / "images.json").read_text()),
             "command": pretrain_step(work, budget).command,
             "config": yaml.safe_load((run_dir / "config.yaml").read_text()), "run": run, "summary": summary,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,40 @@ def eval_step(work: Path, bundle: str, command: str, args: list[str], tag: str |
         main(argv)
 
     return Step(f"eval {bundle} {tag or command}", ["msn-eval", *argv], [out], run)
+
+
+def export_step(work: Path, checkpoint: Path, name: str) -> Step:
+    """``msn-export`` of ``checkpoint`` to ``work/bundles/NAME``."""
+    command = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(checkpoint),
+               "--out", str(work / "bundles" / name)]
+    return Step(f"export {name}", command, [work / "bundles" / name / "msn.json"], subprocess_action(command))
+
+
+def bundle_and_pixels_evals(work: Path, bundle: str, shots: tuple[str, ...], data: str = "fashion-mnist") -> list[Step]:
+    """Low-shot (the 3 seeded splits) and kNN-20 of ``bundle``'s served feature and of raw pixels under the same
+    preprocessing: what ``summarize_evals`` reads."""
+    steps = []
+    for name in (bundle, "pixels"):
+        extra = ["--backend", "pixels"] if name == "pixels" else []
+        steps.append(eval_step(work, name, "lowshot", ["--shots", *shots, "--splits", "3", *extra],
+                               pixels_source=bundle, data=data))
+        steps.append(eval_step(work, name, "knn", extra, pixels_source=bundle, data=data))
+    return steps
+
+
+def read_evals(work: Path) -> dict[str, dict]:
+    """Every ``msn-eval`` report of a plan, by file stem (``BUNDLE-TAG``)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
+
+
+def summarize_evals(evals: dict[str, dict], bundles: tuple[str, ...]) -> dict[str, dict]:
+    """``{bundle: {"1imgs_class": mean %, ..., "knn": top-1 %}}`` from ``bundle_and_pixels_evals``' reports."""
+    summary = {}
+    for bundle in bundles:
+        lowshot = evals.get(f"{bundle}-lowshot", {}).get("results", [])
+        knn = evals.get(f"{bundle}-knn", {}).get("results", [{}])
+        summary[bundle] = {**{r["setting"]: round(r["mean"], 2) for r in lowshot}, "knn": knn[0].get("top1")}
+    return summary
 
 
 def export_random_init(reference: Path, out: Path, seed: int) -> None:

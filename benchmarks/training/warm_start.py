@@ -28,7 +28,15 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS, machine, save_json
-from benchmarks.training.steps import Step, eval_step, print_plan, run_steps, set_args, subprocess_action
+from benchmarks.training.steps import (
+    Step,
+    eval_step,
+    export_step,
+    print_plan,
+    read_evals,
+    run_steps,
+    set_args,
+)
 from msn_core.durable import atomic_write_json
 
 CHECKPOINT = REPO / "runs" / "demo" / "checkpoint.pt"  # make demo's DEMO_RUN
@@ -43,17 +51,13 @@ def warm_name(minutes: float) -> str:
     return f"warm-{minutes:g}min"
 
 
-def export_step(work: Path, checkpoint: Path, name: str) -> Step:
-    command = [sys.executable, "-m", "training.bundle.export", "--checkpoint", str(checkpoint),
-               "--out", str(work / "bundles" / name)]
-    return Step(f"export {name}", command, [work / "bundles" / name / "msn.json"], subprocess_action(command))
-
-
-def pretrain_step(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int) -> Step:
+def pretrain_step(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int,
+                  overrides: list[str]) -> Step:
     run_dir = work / "runs" / warm_name(minutes)
     command = [sys.executable, "-m", "training.pretrain", "--config", str(config), "--output-dir", str(run_dir),
                "--init-from", str(checkpoint),
-               *set_args({"optim.budget_minutes": minutes, "run.seed": seed, "run.progress_bar": False})]
+               *set_args({"optim.budget_minutes": minutes, "run.seed": seed, "run.progress_bar": False}),
+               *[arg for pair in overrides for arg in ("--set", pair)]]
 
     def run() -> None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a budget is wall-clock time: an interrupted run restarts
@@ -65,9 +69,11 @@ def pretrain_step(work: Path, config: Path, checkpoint: Path, minutes: float, se
     return Step(f"pretrain {warm_name(minutes)} from {checkpoint}", command, [run_dir / "done.json"], run)
 
 
-def build_plan(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int) -> list[Step]:
+def build_plan(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int,
+               overrides: list[str] = ()) -> list[Step]:
     warm = warm_name(minutes)
-    steps = [export_step(work, checkpoint, "source"), pretrain_step(work, config, checkpoint, minutes, seed),
+    steps = [export_step(work, checkpoint, "source"),
+             pretrain_step(work, config, checkpoint, minutes, seed, list(overrides)),
              export_step(work, work / "runs" / warm / "checkpoint.pt", warm)]
     for bundle in ("source", warm):
         for prefix, extra in PROTOCOLS.items():
@@ -108,13 +114,13 @@ def run_record(run_dir: Path) -> dict:
     return {"steps": logged[-1]["step"] if logged else 0, **json.loads((run_dir / "done.json").read_text())}
 
 
-def collect(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int) -> dict:
+def collect(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int, overrides: list[str]) -> dict:
     from training.checkpoint import file_sha256
 
-    evals = {p.stem: json.loads(p.read_text()) for p in sorted((work / "evals").glob("*.json"))}
+    evals = read_evals(work)
     warm = warm_name(minutes)
     return {"machine": machine(), "source_checkpoint": str(checkpoint), "source_sha256": file_sha256(checkpoint),
-            "config": str(config), "minutes": minutes, "seed": seed,
+            "config": str(config), "minutes": minutes, "seed": seed, "overrides": overrides,
             "run": run_record(work / "runs" / warm), "evals": evals, "comparison": compare(evals, warm)}
 
 
@@ -125,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=10.0, help="budget of the warm-started run")
     parser.add_argument("--config", type=Path, default=CONFIG, help="the recipe (the source's, for the same data)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a config override for the warm-started run (repeatable), e.g. optim.lr=1e-4")
     parser.add_argument("--workdir", type=Path, help="runs, bundles, evaluations (default: runs/warm_start/seed<S>)")
     parser.add_argument("--out", type=Path, default=OUT, help="the results file")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
@@ -142,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = (args.workdir or REPO / "runs" / "warm_start" / f"seed{args.seed}").resolve()
     checkpoint, config = args.checkpoint.resolve(), args.config.resolve()
-    steps = build_plan(work, config, checkpoint, args.minutes, args.seed)
+    steps = build_plan(work, config, checkpoint, args.minutes, args.seed, args.overrides)
     if args.dry_run:
         print_plan(steps)
         return 0
     run_steps(steps, work)
-    result = save_json(args.out, collect(work, config, checkpoint, args.minutes, args.seed))
+    result = save_json(args.out, collect(work, config, checkpoint, args.minutes, args.seed, args.overrides))
     verdict = "at least" if result["comparison"]["warm_at_least_source"] else "NOT at least"
     print(f"the warm-started bundle scores {verdict} the source's on every metric")
     return 0

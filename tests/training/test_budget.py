@@ -113,6 +113,29 @@ def test_run_length_is_decided_once_from_checkpoint_step_count_or_epochs():
     assert schedules.at(15).lr == pytest.approx(cfg.optim.lr) and schedules.at(0).ema_momentum == cfg.optim.ema_start
 
 
+def test_warm_start_schedules_are_gentler():
+    """A warm start may re-warm to a scaled peak lr and start its EMA at no less than optim.warm_ema_start (off by
+    default); the rule reads only the config, so a resumed warm start gets the same schedules."""
+    from training.run.length import RunLength, build_schedules
+
+    length = RunLength(100, 10, 100, "optim.total_steps")
+    common = ["data.source=synthetic", "optim.lr=1e-3", "optim.start_lr=2e-4", "optim.ema_start=0.99",
+              "optim.horizon_scale=1"]
+    cold = build_schedules(load_config(None, common), length)
+    assert build_schedules(load_config(None, [*common, "run.init_from=/w.pt"]), length) == cold  # default: off
+    gentle = ["optim.warm_lr_scale=0.25", "optim.warm_ema_start=0.996"]
+    warm = build_schedules(load_config(None, [*common, "run.init_from=/w.pt", *gentle]), length)
+    assert warm.at(9).lr == pytest.approx(0.25 * cold.at(9).lr) and warm.at(0).lr < cold.at(0).lr
+    assert (cold.at(0).ema_momentum, warm.at(0).ema_momentum) == (0.99, 0.996)
+    assert build_schedules(load_config(None, [*common, *gentle]), length) == cold  # only a warm start
+    assert warm.at(99).lr == pytest.approx(cold.at(99).lr)  # both end at final_lr
+    steady = build_schedules(load_config(None, [*common, "run.init_from=/w.pt", *gentle, "optim.ema_start=0.999"]),
+                             length)
+    assert steady.at(0).ema_momentum == 0.999  # a higher configured EMA start is kept
+    with pytest.raises(ConfigError, match="warm_lr_scale"):
+        load_config(None, ["data.source=synthetic", "optim.warm_lr_scale=0"])
+
+
 # ------------------------------------------------------------------------------------- re-planning during the run
 
 def _base(total: int, warmup: int) -> Schedules:

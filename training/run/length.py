@@ -104,12 +104,18 @@ def _cycle(loader):
 
 
 def build_schedules(cfg: Config, length: RunLength) -> Schedules:
-    """The official learning-rate, weight-decay, EMA and sharpening schedules over the decided length."""
+    """The official learning-rate, weight-decay, EMA and sharpening schedules over the decided length; a warm start
+    (``run.init_from``) scales the start and peak lr by ``optim.warm_lr_scale`` and starts the EMA at no less than
+    ``optim.warm_ema_start`` (a resumed warm start gets the same schedules: the rule reads only the config)."""
     o = cfg.optim
+    start_lr, ref_lr, final_lr, ema_start = o.start_lr, o.lr, o.final_lr, o.ema_start
+    if cfg.run.init_from:
+        start_lr, ref_lr = start_lr * o.warm_lr_scale, ref_lr * o.warm_lr_scale
+        final_lr, ema_start = min(final_lr, ref_lr), max(ema_start, o.warm_ema_start)
     return Schedules(
         total_steps=length.total_steps, warmup_steps=length.warmup_steps,
-        start_lr=o.start_lr, ref_lr=o.lr, final_lr=o.final_lr, ref_weight_decay=o.weight_decay,
-        final_weight_decay=o.final_weight_decay, ema_start=o.ema_start, ema_end=o.ema_end,
+        start_lr=start_lr, ref_lr=ref_lr, final_lr=final_lr, ref_weight_decay=o.weight_decay,
+        final_weight_decay=o.final_weight_decay, ema_start=ema_start, ema_end=o.ema_end,
         horizon_scale=o.horizon_scale, sharpen_start=cfg.loss.sharpen_start, sharpen_end=cfg.loss.sharpen_end,
     )
 
