@@ -10,7 +10,7 @@ answers fell inside a fault window.
 
 The written index holds a bounded working set: once a client has :data:`KEEP_LIVE` acknowledged adds, its next
 write deletes the oldest of them instead, so the index (and the writer's memory) stops growing after a minute or
-two and RSS growth measures leaks, not data.
+two and RSS growth measures leaks, not data (``serve_chaos.py --keep-live 0``: adds only, the index grows).
 
 Acknowledged writes go to an append-only log per client process, one line per event: ``add <id>`` after the 2xx
 (ids are unique per soak), ``untry <id>`` before a delete is sent and ``del <id>`` once it is acknowledged,
@@ -39,7 +39,7 @@ ID_STRIDE = 10**9  # client c of process p writes ids (p * 1000 + c) * ID_STRIDE
 BACKOFF_S, BACKOFF_MAX_S = 0.25, 2.0
 KEEPALIVE_S = 2.0  # the clients' idle-connection expiry, below msn-serve's timeout_keep_alive_s
 CLIENT_NICE = 10  # niceness of the client processes (see client_process)
-KEEP_LIVE = 10  # acked adds a client keeps in the written index; beyond that its writes delete the oldest
+KEEP_LIVE = 10  # acked adds a client keeps in the written index; beyond that its writes delete the oldest (0: never)
 # (kind, share of requests); reads marked "either" go to the read replica half of the time
 # Adds are few and small: every published version (kept 300 s after its successor) holds the whole written index,
 # and all versions live on the soak's small filesystem, which must fill only when the soak fills it.
@@ -74,7 +74,7 @@ def prepare(url: str, dim: int) -> None:
 
 
 async def _clients(writer: str, reader: str | None, images: list[bytes], dim: int, clients: int, proc: int,
-                   start_at: float, stop_at: float, log: TextIO, seed: int) -> list[tuple]:
+                   start_at: float, stop_at: float, log: TextIO, seed: int, keep_live: int) -> list[tuple]:
     import httpx
 
     rng = np.random.default_rng(seed)
@@ -97,7 +97,7 @@ async def _clients(writer: str, reader: str | None, images: list[bytes], dim: in
                 if kind in ("embed", "embed_masked"):
                     data = {"mask": json.dumps({"ratio": 0.5, "seed": n})} if kind == "embed_masked" else None
                     r = await c.post("/embed", files={"image": images[(client + n) % len(images)]}, data=data)
-                elif kind == "add" and len(live) >= KEEP_LIVE:
+                elif kind == "add" and keep_live and len(live) >= keep_live:
                     kind, ids = "delete", live[0]
                     log.write("".join(f"untry {i}\n" for i in ids))
                     r = await c.post(f"/index/{INDEX}/delete", json={"ids": ids})
@@ -149,14 +149,14 @@ async def _clients(writer: str, reader: str | None, images: list[bytes], dim: in
 
 
 def client_process(args: tuple) -> list[tuple]:
-    """One client process: ``args`` as :func:`_clients` takes them, with the acked-write log's path before the
-    seed. The log is line-buffered, so each acknowledged write reaches the file whole. The process runs at a lower
+    """One client process: ``args`` as :func:`_clients` takes them, with the acked-write log's path in place of
+    the log. The log is line-buffered, so each acknowledged write reaches the file whole. The process runs at a lower
     priority (:data:`CLIENT_NICE`): it shares the cores with the servers here, where in production the callers run
     elsewhere, so the servers' latencies should not wait on the load generator's own work."""
-    *head, log_path, seed = args
+    *head, log_path, seed, keep_live = args
     os.nice(CLIENT_NICE)
     with open(log_path, "a", buffering=1) as log:
-        return asyncio.run(_clients(*head, log, seed))
+        return asyncio.run(_clients(*head, log, seed, keep_live))
 
 
 def read_log(paths: list[Path]) -> dict:

@@ -163,8 +163,9 @@ def schedule(seed: int, seconds: float, kills: int, disks: int, hups: int) -> li
 
 class Soak:
     def __init__(self, bundle: Path, scratch: Path, minutes: float, seed: int, clients: int, procs: int,
-                 tmpfs_mb: int, publish_s: float, poll_s: float):
+                 tmpfs_mb: int, publish_s: float, poll_s: float, keep_live: int = chaos_load.KEEP_LIVE):
         self.bundle, self.scratch, self.seconds, self.seed = bundle, scratch, 60.0 * minutes, seed
+        self.keep_live = keep_live
         self.clients, self.procs = clients, procs
         self.mount = scratch / "mnt"
         self.mount.mkdir()
@@ -281,7 +282,8 @@ class Soak:
         self._sample_rss()
         procs = max(1, min(self.procs, self.clients))
         jobs = [(self.writer.url, self.reader.url, images, self.dim, self.clients // procs +
-                 (p < self.clients % procs), p, self.start_at, stop_at, str(self.logs[p]), self.seed * 100 + p)
+                 (p < self.clients % procs), p, self.start_at, stop_at, str(self.logs[p]), self.seed * 100 + p,
+                 self.keep_live)
                 for p in range(procs)]
         with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
             futures = [pool.submit(chaos_load.client_process, j) for j in jobs]
@@ -345,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-interval-s", type=float, default=30.0, help="the writer's (each version is kept "
                     "300 s after its successor, all on the tmpfs)")
     ap.add_argument("--reload-poll-s", type=float, default=1.0)
+    ap.add_argument("--keep-live", type=int, default=chaos_load.KEEP_LIVE,
+                    help="acked adds each client keeps in the index before deleting its oldest (0: never delete)")
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)
     if a.minutes <= 0 or a.clients < 1:
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     hups = a.sighups if a.sighups is not None else max(2, round(0.5 * m))
     out = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": m, "seed": a.seed,
            "clients": a.clients, "client_processes": a.client_procs,
-           "client_nice": chaos_load.CLIENT_NICE, "note": a.note,
+           "client_nice": chaos_load.CLIENT_NICE, "keep_live": a.keep_live, "note": a.note,
            "bundle": str(a.bundle) if a.bundle else "tiny random ViT (2 blocks, 32 px, patch 4, 64-d)"}
     print(f"machine: {out['machine']['cpu']} x{out['machine']['cores_visible']}; {m:g} min, seed {a.seed}, "
           f"{kills} kills, {disks} full disks, {hups} SIGHUPs", flush=True)
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         bundle = a.bundle or tiny_bundle(scratch / "tiny")
         soak = Soak(bundle, scratch, m, a.seed, a.clients, a.client_procs, a.tmpfs_mb, a.publish_interval_s,
-                    a.reload_poll_s)
+                    a.reload_poll_s, a.keep_live)
         try:
             raw = soak.run(kills, disks, hups)
         finally:
