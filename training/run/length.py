@@ -106,7 +106,8 @@ def _cycle(loader):
 def build_schedules(cfg: Config, length: RunLength) -> Schedules:
     """The official learning-rate, weight-decay, EMA and sharpening schedules over the decided length; a warm start
     (``run.init_from``) scales the start and peak lr by ``optim.warm_lr_scale`` and starts the EMA at no less than
-    ``optim.warm_ema_start`` (a resumed warm start gets the same schedules: the rule reads only the config)."""
+    ``optim.warm_ema_start`` (the rule reads only the config: a warm start resumed with the same command line gets
+    the same schedules)."""
     o = cfg.optim
     start_lr, ref_lr, final_lr, ema_start = o.start_lr, o.lr, o.final_lr, o.ema_start
     if cfg.run.init_from:
