@@ -131,8 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=10.0, help="budget of the warm-started run")
     parser.add_argument("--config", type=Path, default=CONFIG, help="the recipe (the source's, for the same data)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="a config override for the warm-started run (repeatable), e.g. optim.lr=1e-4")
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="config overrides for the warm-started run, as pretrain.py takes them: "
+                             "--set optim.warm_lr_scale=0.5 optim.warm_ema_start=0.996 (repeatable)")
     parser.add_argument("--workdir", type=Path, help="runs, bundles, evaluations (default: runs/warm_start/seed<S>)")
     parser.add_argument("--out", type=Path, default=OUT, help="the results file")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")

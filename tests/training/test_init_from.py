@@ -324,13 +324,13 @@ def test_warm_start_benchmark_plans_without_running(tmp_path, capsys):
 
     checkpoint = tmp_path / "demo" / "checkpoint.pt"  # need not exist for a dry run
     argv = ["--dry-run", "--checkpoint", str(checkpoint), "--minutes", "10", "--workdir", str(tmp_path / "w"),
-            "--out", str(tmp_path / "r.json"), "--set", "optim.warm_lr_scale=0.25"]
+            "--out", str(tmp_path / "r.json"), "--set", "optim.warm_lr_scale=0.25", "optim.warm_ema_start=0.996"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     pretrain = [line for line in out.splitlines() if "training.pretrain" in line]
     assert len(pretrain) == 1 and f"--init-from {checkpoint}" in pretrain[0]
     assert "--set optim.budget_minutes=10.0" in pretrain[0] and "fmnist_vit_tiny.yaml" in pretrain[0]
-    assert pretrain[0].endswith("--set optim.warm_lr_scale=0.25")
+    assert pretrain[0].endswith("--set optim.warm_lr_scale=0.25 --set optim.warm_ema_start=0.996")  # docs' form
     assert out.count("msn-eval lowshot") == 4 and out.count("msn-eval knn") == 4  # 2 bundles x 2 features
     assert "cls_pre_norm" in out and "--shots 1 2 5 --splits 3" in out
     assert not (tmp_path / "w").exists() and not (tmp_path / "r.json").exists()
