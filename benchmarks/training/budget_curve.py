@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.common import DOCS, REPO, machine
@@ -37,7 +32,9 @@ from benchmarks.training.steps import (
     eval_step,
     export_random_init,
     export_step,
+    pretrain_step,
     print_plan,
+    run_record,
     run_steps,
     set_args,
 )
@@ -49,28 +46,18 @@ SHOTS = ("1", "2", "5", "1percent")
 PAPER_CLS = ["--backend", "torch", "--feature", "cls_pre_norm"]  # the last block's CLS before the final norm
 
 
-def pretrain_step(work: Path, config: Path, minutes: float, seed: int) -> Step:
+def budget_run(work: Path, config: Path, minutes: float, seed: int) -> Step:
     run_dir = work / "runs" / budget_bundle(minutes)
     cmd = [sys.executable, "-m", "training.pretrain", "--config", str(config), "--output-dir", str(run_dir),
            *set_args({SEED: seed, BUDGET: minutes, "run.progress_bar": False})]
-
-    def run() -> None:
-        shutil.rmtree(run_dir, ignore_errors=True)  # a budget is wall-clock time: an interrupted run restarts
-        load_before = os.getloadavg()[0]
-        start = time.monotonic()
-        subprocess.run(cmd, cwd=REPO, check=True)
-        timing = {"wall_minutes": (time.monotonic() - start) / 60, "load_before": load_before,
-                  "load_after": os.getloadavg()[0]}
-        atomic_write_json(run_dir / "done.json", timing)
-
-    return Step(f"pretrain {minutes:g} min", cmd, [run_dir / "done.json"], run)
+    return pretrain_step(f"pretrain {minutes:g} min", cmd, run_dir)
 
 
 def build_plan(work: Path, config: Path, budgets: list[float], seed: int) -> list[Step]:
     steps: list[Step] = []
     for minutes in budgets:
         name = budget_bundle(minutes)
-        steps.append(pretrain_step(work, config, minutes, seed))
+        steps.append(budget_run(work, config, minutes, seed))
         steps.append(export_step(work, work / "runs" / name / "checkpoint.pt", name))
     first = budget_bundle(budgets[0])
     random_dir = work / "bundles" / "random_init"
@@ -86,14 +73,6 @@ def build_plan(work: Path, config: Path, budgets: list[float], seed: int) -> lis
                                tag="cls-lowshot"))
         steps.append(eval_step(work, bundle, "knn", PAPER_CLS, tag="cls-knn"))
     return steps
-
-
-def run_record(run_dir: Path) -> dict:
-    """Steps, measured throughput and wall time of one budget run, from its metrics and timing files."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["images_per_sec"] for r in records[1:]] or [records[-1]["images_per_sec"]]
-    return {"steps": records[-1]["step"], "epochs": records[-1]["epoch"], "images_per_sec": statistics.median(rates),
-            **json.loads((run_dir / "done.json").read_text())}
 
 
 def collect(work: Path, config: Path, budgets: list[float], seed: int) -> dict:

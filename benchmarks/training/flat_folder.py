@@ -28,11 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -42,8 +38,10 @@ from benchmarks.training.steps import (
     Step,
     bundle_and_pixels_evals,
     export_step,
+    pretrain_step,
     print_plan,
     read_evals,
+    run_record,
     run_steps,
     summarize_evals,
 )
@@ -88,56 +86,35 @@ def write_flat_folder(out: Path, *, limit: int | None = None, root: str | None =
 # ------------------------------------------------------------------------------------------------- the plan
 
 
-def pretrain_step(work: Path, budget: str, seed: int) -> Step:
+def flat_run(work: Path, budget: str, seed: int) -> Step:
     run_dir = work / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", "--nproc_per_node=1", "training/pretrain.py", "--data",
                str(work / "images"), "--budget", budget, "--output-dir", str(run_dir)]
     if seed:  # the default seed needs no --set: the measured command is exactly the user's
         command += ["--set", f"run.seed={seed}"]
-
-    def run() -> None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        load_before, start = os.getloadavg()[0], time.monotonic()
-        subprocess.run(command, cwd=REPO, check=True)
-        atomic_write_json(run_dir / "done.json", {"wall_minutes": (time.monotonic() - start) / 60,
-                                                  "load_before": load_before, "load_after": os.getloadavg()[0],
-                                                  **trainer_budget(run_dir / "checkpoint.pt")})
-
-    return Step(f"pretrain --data (budget {budget})", command, [run_dir / "done.json"], run)
+    return pretrain_step(f"pretrain --data (budget {budget})", command, run_dir)
 
 
 def build_plan(work: Path, budget: str, seed: int, limit: int | None) -> list[Step]:
     images = work / "images"
     steps = [Step("write the flat folder", ["(python) write_flat_folder", str(images)], [images.with_suffix(".json")],
                   lambda: print(f"{write_flat_folder(images, limit=limit)} images in {images}")),
-             pretrain_step(work, budget, seed)]
+             flat_run(work, budget, seed)]
     return [*steps, export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
             *bundle_and_pixels_evals(work, BUNDLE, SHOTS)]
-
-
-def trainer_budget(checkpoint: Path) -> dict:
-    """The trainer's own account of its budget (the checkpoint's run length): seconds used, the first plan and how
-    often it re-planned. torchrun's wall clock above also counts process start-up and imports."""
-    import torch
-
-    length = torch.load(checkpoint, map_location="cpu", weights_only=False).get("run_length") or {}
-    return {"trainer_budget_seconds_used": length.get("budget_seconds_used"),
-            "planned_total_steps": length.get("planned_total"), "replans": len(length.get("replans", []))}
 
 
 def collect(work: Path, budget: str, seed: int) -> dict:
     """The run (steps, throughput, wall time, skipped files, the resolved config) and every evaluation."""
     run_dir = work / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["images_per_sec"] for r in records[1:] if "images_per_sec" in r] or [0.0]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    run = {"steps": records[-1]["step"], "epochs": records[-1].get("epoch"), "images_per_sec": statistics.median(rates),
-           "skipped_files": records[-1].get("skipped_files"), **json.loads((run_dir / "done.json").read_text())}
+    run = {**run_record(run_dir), "skipped_files": records[-1].get("skipped_files")}
     evals = read_evals(work)
     summary = summarize_evals(evals, (BUNDLE, "pixels"))
     return {"machine": machine(), "budget": budget, "seed": seed, "images": json.loads(
-        (work / "images.json").read_text())["images"], "command": pretrain_step(work, budget, seed).command,
+        (work / "images.json").read_text())["images"], "command": flat_run(work, budget, seed).command,
         "config": config, "run": run, "summary": summary, "evals": evals}
 
 

@@ -28,24 +28,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
 from benchmarks.common import REPO, RESULTS, machine, save_json
-from benchmarks.training.flat_folder import trainer_budget
 from benchmarks.training.steps import (
     Step,
     bundle_and_pixels_evals,
     export_step,
+    pretrain_step,
     print_plan,
     read_evals,
+    run_record,
     run_steps,
     summarize_evals,
 )
@@ -102,29 +99,19 @@ def write_folders(work: Path, size: int) -> int:
     return len(train_x)
 
 
-def pretrain_step(work: Path, budget: str) -> Step:
+def folder_run(work: Path, budget: str) -> Step:
     run_dir = work / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", "--nproc_per_node=1", "training/pretrain.py", "--data", str(work / "flat"),
                "--budget", budget, "--output-dir", str(run_dir)]
-
-    def run() -> None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        load_before, start = os.getloadavg()[0], time.monotonic()
-        log = run_dir.with_name("pretrain.log")
-        with open(log, "w") as out:  # the run's own output, kept beside it
-            subprocess.run(command, cwd=REPO, check=True, stdout=out, stderr=subprocess.STDOUT)
-        atomic_write_json(run_dir / "done.json", {"wall_minutes": (time.monotonic() - start) / 60,
-                                                  "load_before": load_before, "load_after": os.getloadavg()[0],
-                                                  **trainer_budget(run_dir / "checkpoint.pt")})
-
-    return Step(f"pretrain --data (budget {budget})", command, [run_dir / "done.json"], run)
+    # the run's own output, kept beside it
+    return pretrain_step(f"pretrain --data (budget {budget})", command, run_dir, log=work / "pretrain.log")
 
 
 def build_plan(work: Path, size: int, budget: str) -> list[Step]:
     steps = [Step(f"write the {size} px folders", ["(python) write_folders", str(work)], [work / "images.json"],
                   lambda: print(f"{write_folders(work, size)} training images in {work / 'flat'}")),
-             pretrain_step(work, budget)]
+             folder_run(work, budget)]
     return [*steps, export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
             *bundle_and_pixels_evals(work, BUNDLE, SHOTS, data=str(work / "labelled"))]
 
@@ -132,16 +119,13 @@ def build_plan(work: Path, size: int, budget: str) -> list[Step]:
 def collect(work: Path, size: int, budget: str) -> dict:
     run_dir = work / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["images_per_sec"] for r in records[1:] if "images_per_sec" in r] or [0.0]
     flagged = [r for r in records if r.get("collapse")]  # the detector's record (training/run/monitor.py)
     collapse = {"step": flagged[0]["step"], "message": flagged[0].get("collapse_message")} if flagged else None
-    run = {"steps": records[-1]["step"], "epochs": records[-1].get("epoch"),
-           "images_per_sec": statistics.median(rates), "collapse": collapse,
-           **json.loads((run_dir / "done.json").read_text())}
+    run = {**run_record(run_dir), "collapse": collapse}
     evals = read_evals(work)
     summary = summarize_evals(evals, (BUNDLE, "pixels"))
     return {"size": size, "images": json.loads((work / "images.json").read_text()),
-            "command": pretrain_step(work, budget).command,
+            "command": folder_run(work, budget).command,
             "config": yaml.safe_load((run_dir / "config.yaml").read_text()), "run": run, "summary": summary,
             "evals": evals}
 

@@ -4,7 +4,10 @@ budget_curve.py: a step whose outputs exist is skipped, so an interrupted plan c
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -83,6 +86,51 @@ def summarize_evals(evals: dict[str, dict], bundles: tuple[str, ...]) -> dict[st
         knn = evals.get(f"{bundle}-knn", {}).get("results", [{}])
         summary[bundle] = {**{r["setting"]: round(r["mean"], 2) for r in lowshot}, "knn": knn[0].get("top1")}
     return summary
+
+
+def pretrain_step(name: str, command: list[str], run_dir: Path, *, fresh: bool = True,
+                  log: Path | None = None) -> Step:
+    """A pretraining run by ``command`` into ``run_dir``, done when ``run_dir/done.json`` exists.
+
+    ``fresh``: a budget is wall-clock time, so an interrupted budgeted run starts again from nothing; a run sized in
+    steps passes ``--resume`` and ``fresh=False`` instead. ``done.json`` records torchrun's wall clock, the load
+    average around it (a timed run needs the machine to itself) and the trainer's own account of its budget.
+    ``log``: where the run's output goes (default: this process's).
+    """
+    def run() -> None:
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        load_before, start = os.getloadavg()[0], time.monotonic()
+        if log is None:
+            subprocess.run(command, cwd=ROOT, check=True)
+        else:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "w") as out:
+                subprocess.run(command, cwd=ROOT, check=True, stdout=out, stderr=subprocess.STDOUT)
+        atomic_write_json(run_dir / "done.json", {"wall_minutes": (time.monotonic() - start) / 60,
+                                                  "load_before": load_before, "load_after": os.getloadavg()[0],
+                                                  **trainer_budget(run_dir / "checkpoint.pt")})
+
+    return Step(name, command, [run_dir / "done.json"], run)
+
+
+def trainer_budget(checkpoint: Path) -> dict:
+    """The trainer's own account of its budget (the checkpoint's run length): seconds used, the first plan and how
+    often it re-planned; empty values for a run sized in steps. torchrun's wall clock also counts start-up."""
+    import torch
+
+    length = torch.load(checkpoint, map_location="cpu", weights_only=False).get("run_length") or {}
+    return {"trainer_budget_seconds_used": length.get("budget_seconds_used"),
+            "planned_total_steps": length.get("planned_total"), "replans": len(length.get("replans", []))}
+
+
+def run_record(run_dir: Path) -> dict:
+    """What a finished run did: its last step and epoch, median images/s after the first record, and ``done.json``."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "step" in r] or [{}]
+    rates = [r["images_per_sec"] for r in logged[1:] if "images_per_sec" in r] or [0.0]
+    return {"steps": logged[-1].get("step", 0), "epochs": logged[-1].get("epoch"),
+            "images_per_sec": statistics.median(rates), **json.loads((run_dir / "done.json").read_text())}
 
 
 def export_random_init(reference: Path, out: Path, seed: int) -> None:

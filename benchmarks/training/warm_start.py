@@ -19,12 +19,7 @@ again: its budget is wall-clock time). The result, with each metric's change ove
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS, machine, save_json
@@ -32,12 +27,13 @@ from benchmarks.training.steps import (
     Step,
     eval_step,
     export_step,
+    pretrain_step,
     print_plan,
     read_evals,
+    run_record,
     run_steps,
     set_args,
 )
-from msn_core.durable import atomic_write_json
 
 CHECKPOINT = REPO / "runs" / "demo" / "checkpoint.pt"  # make demo's DEMO_RUN
 CONFIG = REPO / "configs" / "fmnist_vit_tiny.yaml"  # the recipe make demo trains
@@ -51,29 +47,20 @@ def warm_name(minutes: float) -> str:
     return f"warm-{minutes:g}min"
 
 
-def pretrain_step(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int,
-                  overrides: list[str]) -> Step:
+def warm_run(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int, overrides: list[str]) -> Step:
     run_dir = work / "runs" / warm_name(minutes)
     command = [sys.executable, "-m", "training.pretrain", "--config", str(config), "--output-dir", str(run_dir),
                "--init-from", str(checkpoint),
                *set_args({"optim.budget_minutes": minutes, "run.seed": seed, "run.progress_bar": False}),
                *[arg for pair in overrides for arg in ("--set", pair)]]
-
-    def run() -> None:
-        shutil.rmtree(run_dir, ignore_errors=True)  # a budget is wall-clock time: an interrupted run restarts
-        load_before, start = os.getloadavg()[0], time.monotonic()
-        subprocess.run(command, cwd=REPO, check=True)
-        atomic_write_json(run_dir / "done.json", {"wall_minutes": (time.monotonic() - start) / 60,
-                                                  "load_before": load_before, "load_after": os.getloadavg()[0]})
-
-    return Step(f"pretrain {warm_name(minutes)} from {checkpoint}", command, [run_dir / "done.json"], run)
+    return pretrain_step(f"pretrain {warm_name(minutes)} from {checkpoint}", command, run_dir)
 
 
 def build_plan(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int,
                overrides: list[str] = ()) -> list[Step]:
     warm = warm_name(minutes)
     steps = [export_step(work, checkpoint, "source"),
-             pretrain_step(work, config, checkpoint, minutes, seed, list(overrides)),
+             warm_run(work, config, checkpoint, minutes, seed, list(overrides)),
              export_step(work, work / "runs" / warm / "checkpoint.pt", warm)]
     for bundle in ("source", warm):
         for prefix, extra in PROTOCOLS.items():
@@ -106,12 +93,6 @@ def compare(evals: dict[str, dict], warm: str) -> dict:
                     rows[f"{prefix}/{metric}"] = {"source": value, "warm": warm_metrics[metric], "delta": delta}
                     at_least = at_least and delta >= 0
     return {"metrics": rows, "warm_at_least_source": at_least and bool(rows)}
-
-
-def run_record(run_dir: Path) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in records if "step" in r]
-    return {"steps": logged[-1]["step"] if logged else 0, **json.loads((run_dir / "done.json").read_text())}
 
 
 def collect(work: Path, config: Path, checkpoint: Path, minutes: float, seed: int, overrides: list[str]) -> dict:
