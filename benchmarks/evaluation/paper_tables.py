@@ -29,6 +29,7 @@ from benchmarks.common import DOCS, REPO, cached_features, machine
 from benchmarks.protocol import ABLATION_RATIOS, KNN_TRAIN, ROBUSTNESS_RATIOS, ratio_run, tsne_name
 from benchmarks.training.recipe_trials import BASE_CONFIG
 from benchmarks.training.steps import (
+    PAPER_CLS,
     Step,
     eval_step,
     export_random_init,
@@ -137,9 +138,13 @@ def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[
     steps.append(eval_step(work, "msn", "lowshot", [*lowshot, "--solver", "sklearn"], tag="lowshot-sklearn"))
     steps.append(eval_step(work, "msn", "lowshot", [*lowshot, "--tol", "1e-6", "--max-iter", "3000"],
                             tag="lowshot-cyanure-tight"))
-    for bundle in ("msn", "random_init", "focal_only", "shared_view", "pixels"):
+    for bundle in [*runs, "random_init", "pixels"]:
         extra = ["--backend", "pixels"] if bundle == "pixels" else []
         steps.append(eval_step(work, bundle, "knn", ["--max-train", str(KNN_TRAIN), *extra]))
+    if spec.budgeted:  # the paper's feature too: the served one keeps a patch-token map that pixels alone do well on
+        for bundle in runs:
+            steps.append(eval_step(work, bundle, "lowshot", [*lowshot, *PAPER_CLS], tag="cls-lowshot"))
+            steps.append(eval_step(work, bundle, "knn", ["--max-train", str(KNN_TRAIN), *PAPER_CLS], tag="cls-knn"))
     for bundle in ("msn", "focal_only"):
         steps.append(eval_step(work, bundle, "robustness", ["--ratios", *map(str, ROBUSTNESS_RATIOS),
                                                              "--shots", "1", "2", "5", "--splits", "3"]))
@@ -181,11 +186,13 @@ def collect(work: Path, profile: str, seconds: float) -> dict:
     from training.evaluation.lowshot import DEFAULT_LAMBD
 
     spec = PROFILES[profile]
-    default_ratio = load_config(REPO / spec.config).mask.ratio
+    config = load_config(REPO / spec.config)
+    default_ratio = config.mask.ratio
     runs = {n: {"label": r.label, "overrides": r.overrides, **run_record(work / "runs" / n)}
             for n, r in pretraining_runs(default_ratio, spec.focal_views).items()}
     return {"profile": profile, "machine": machine(), "seconds": seconds, "config": spec.config,
             "overrides": spec.overrides, "budgeted": spec.budgeted, "default_ratio": default_ratio,
+            "patches": (config.model.image_size // config.model.patch_size) ** 2,
             "lambd": DEFAULT_LAMBD, "runs": runs, "strategy": strategy_runs(spec.focal_views),
             "evals": read_evals(work)}
 

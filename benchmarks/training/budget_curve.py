@@ -28,6 +28,7 @@ from pathlib import Path
 from benchmarks.common import DOCS, REPO, machine
 from benchmarks.protocol import BUDGET_JSON, budget_bundle
 from benchmarks.training.steps import (
+    PAPER_CLS,
     Step,
     eval_step,
     export_random_init,
@@ -43,7 +44,6 @@ from msn_core.durable import atomic_write_json
 CONFIG = REPO / "configs" / "fmnist_vit_tiny.yaml"  # the small-image recipe, as `make demo` trains it
 BUDGET, SEED = "optim.budget_minutes", "run.seed"  # pretraining config keys (training/config.py)
 SHOTS = ("1", "2", "5", "1percent")
-PAPER_CLS = ["--backend", "torch", "--feature", "cls_pre_norm"]  # the last block's CLS before the final norm
 
 
 def budget_run(work: Path, config: Path, minutes: float, seed: int) -> Step:

@@ -18,6 +18,9 @@ from pathlib import Path
 from benchmarks.common import REPO as ROOT
 from msn_core.durable import atomic_write_json
 
+# msn-eval arguments for the paper's feature (the last block's CLS before the final norm), beside the served one
+PAPER_CLS = ["--backend", "torch", "--feature", "cls_pre_norm"]
+
 
 @dataclass
 class Step:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO, RESULTS, machine, save_json
 from benchmarks.training.steps import (
+    PAPER_CLS,
     Step,
     eval_step,
     export_step,
@@ -39,7 +40,6 @@ CHECKPOINT = REPO / "runs" / "demo" / "checkpoint.pt"  # make demo's DEMO_RUN
 CONFIG = REPO / "configs" / "fmnist_vit_tiny.yaml"  # the recipe make demo trains
 OUT = RESULTS / "warm_start.json"
 SHOTS = ("1", "2", "5")
-PAPER_CLS = ["--backend", "torch", "--feature", "cls_pre_norm"]
 PROTOCOLS = {"served": [], "cls": PAPER_CLS}  # eval tag prefix -> msn-eval arguments
 
 

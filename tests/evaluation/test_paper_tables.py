@@ -13,16 +13,36 @@ def tables():
     return paper_tables
 
 
-def test_dry_run_plans_every_ablation_with_one_budget(tables, tmp_path, capsys):
-    assert tables.main(["--dry-run", "--workdir", str(tmp_path), "--docs", str(tmp_path / "docs")]) == 0
+def test_dry_run_plans_every_ablation_of_the_step_sized_profile(tables, tmp_path, capsys):
+    argv = ["--profile", "cpu", "--dry-run", "--workdir", str(tmp_path), "--docs", str(tmp_path / "docs")]
+    assert tables.main(argv) == 0
     out = capsys.readouterr().out
     pretrain = [line for line in out.splitlines() if "training/pretrain.py" in line]
     assert len(pretrain) == 8
-    assert all("--set run.seed=0" in line and "--set run.max_steps=" in line for line in pretrain)
+    assert all("--set run.seed=0" in line and "--set run.max_steps=" in line and "--resume" in line
+               for line in pretrain)
     assert any("--set mask.share_target_view=true" in line for line in pretrain)
     assert any("--set mask.ratio=0.0 --set mask.num_focal=0" in line for line in pretrain)
     assert "--backend pixels" in out and "robustness" in out and "--plot-tsne" in out
     assert not (tmp_path / "docs").exists()  # a dry run writes nothing
+
+
+def test_the_default_profile_is_the_shipped_recipe_with_focal_rows_added(tables, tmp_path, capsys):
+    """``make demo``'s config and budget, unchanged for the MSN row; focal views only where a row needs them."""
+    assert tables.main(["--dry-run", "--workdir", str(tmp_path), "--docs", str(tmp_path / "docs")]) == 0
+    out = capsys.readouterr().out
+    pretrain = {line.split("--output-dir ")[1].split()[0].rsplit("/", 1)[1]: line
+                for line in out.splitlines() if "training/pretrain.py" in line}
+    assert len(pretrain) == 8 and all("--config configs/fmnist_vit_tiny.yaml" in line for line in pretrain.values())
+    assert not any("--resume" in line or "max_steps" in line or "budget" in line for line in pretrain.values())
+    assert pretrain["msn"].endswith("--set run.seed=0 --set run.progress_bar=false")  # the recipe as shipped
+    focal = "--set mask.num_focal=4 --set mask.focal_size=14"
+    assert {name for name, line in pretrain.items() if focal in line} == {"msn_focal", "focal_only"}
+    assert "--set mask.ratio=0.0" in pretrain["no_mask"] and "ratio_0.3" not in pretrain  # 0.3 is the recipe's
+    assert tables.strategy_runs(tables.PROFILES["demo"].focal_views) == {
+        "none": "no_mask", "focal only": "focal_only", "random only": "msn", "random + focal": "msn_focal"}
+    for name in pretrain:  # every run gets a kNN beside its low-shot rows
+        assert f"{name}-knn.json" in out and f"{name}-lowshot.json" in out
 
 
 def test_render_marks_missing_results(tables):
@@ -40,6 +60,36 @@ def test_render_marks_missing_results(tables):
         assert title in text
     assert "70.0 ± 1.0" in text and "n/a" in text and "test machine" in text
     assert "| cyanure 1.2.2, official stop (gap 1e-3, 300 epochs) | 70.00 (0.200 s)" in text
+
+
+def test_a_budgeted_profile_renders_first_with_its_own_strategy_rows(tables, tmp_path):
+    from benchmarks.protocol import SETTINGS
+    from benchmarks.render.results_page import render
+
+    def lowshot(acc):
+        return {"results": [{"setting": s, "mean": acc, "std": 0.5, "fit_seconds": [0.1]} for s, _ in SETTINGS]}
+
+    focal = tables.PROFILES["demo"].focal_views
+    runs = {n: {"label": r.label, "steps": 1000 + i} for i, (n, r) in enumerate(tables.pretraining_runs(0.3, focal).items())}
+    evals = {"msn-lowshot": lowshot(60.0), "msn_focal-lowshot": lowshot(55.0), "msn_focal-knn": {"results": [{"top1": 80.5}]},
+             "no_mask-cls-lowshot": lowshot(40.0), "no_mask-cls-knn": {"results": [{"top1": 70.25}]}}
+    demo = {"profile": "demo", "machine": "demo machine", "seconds": 60.0, "overrides": {}, "default_ratio": 0.3,
+            "lambd": 0.00025, "runs": runs, "evals": evals, "budgeted": True, "config": "configs/fmnist_vit_tiny.yaml",
+            "patches": 16, "strategy": tables.strategy_runs(focal)}
+    old = {**demo, "profile": "cpu", "machine": "old machine", "budgeted": False, "strategy": None,
+           "evals": {"msn-lowshot": lowshot(60.0)}}
+    del old["strategy"]
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "cpu.json").write_text(json.dumps(old))
+    (tmp_path / "results" / "demo.json").write_text(json.dumps(demo))
+    text = render(tmp_path)
+    assert text.index("shipped recipe (profile `demo`)") < text.index("## Profile `cpu`")
+    assert "| random only | `msn` | 60.0 ± 0.5 |" in text
+    assert "| random + focal | `msn_focal` | 55.0 ± 0.5 | 55.0 ± 0.5 | 55.0 ± 0.5 | 55.0 ± 0.5 | 80.5 | 59.8 |" in text
+    assert "msn 1,000, msn_focal 1,001" in text and "on 16 patches" in text
+    assert "### 6. Every run on the paper's feature" in text.split("## Profile `cpu`")[0]
+    assert "| `no_mask`: no masking (no random mask, no focal views) | 40.0 ± 0.5 | 40.0 ± 0.5 | 40.0 ± 0.5 | 40.0 ± 0.5 | 70.2 |" in text
+    assert "### 6." not in text.split("## Profile `cpu`")[1]  # the old profile measured no CLS rows
 
 
 def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
