@@ -1,21 +1,22 @@
 """The MSN paper's experiments on Fashion-MNIST, measured into ``docs/results/<profile>.json``, and a t-SNE plot.
 
     python -m benchmarks.evaluation.paper_tables --dry-run       # print the plan, run nothing
-    python -m benchmarks.evaluation.paper_tables                 # the shipped recipe, 10 min a run (~2 h on 2 cores)
+    python -m benchmarks.evaluation.paper_tables                 # the shipped recipe, 10 min a run (100 min on 2 cores)
     python -m benchmarks.evaluation.paper_tables --profile cpu   # the pre-search config, 300 steps a run (< 1 h)
     python -m benchmarks.evaluation.paper_tables --profile gpu   # the pre-search config, 20 epochs a run
 
 Every ablation is a pretraining run of its profile's config with the same length and seed, changed only by the
-``--set`` overrides below; each run is exported with ``msn-export`` and evaluated with ``msn-eval`` (the bundle's
-served feature). The ``demo`` profile is what ``make demo`` ships: ``configs/fmnist_vit_tiny.yaml`` and its
-10-minute budget. That recipe has no focal views, so its ``msn`` run is the random-masking row of the
-masking-strategy table and the focal rows add 4 focal views of 2 x 2 patches (the paper's 96 / 224 of the side,
-rounded to whole patches). Every run gets the same wall-clock budget, not the same number of steps: focal views
-make a step dearer, and each run's steps are recorded. A budgeted run interrupted midway starts again (its budget
-is wall-clock time); the step-sized profiles resume. Steps whose outputs exist are skipped (``--force`` redoes
-them) and every evaluation is kept as JSON, so an interrupted plan continues where it stopped. Results of a
-profile are stored in ``docs/results/<profile>.json``; ``python -m benchmarks.render`` renders ``docs/results.md``
-from all stored profiles (the hand-written discussion in ``docs/results-notes.md`` is included verbatim).
+``--set`` overrides below; each run is exported with ``msn-export`` and evaluated with ``msn-eval`` on the bundle's
+served feature (the ``demo`` profile's runs on the paper's CLS too). The ``demo`` profile is what ``make demo``
+ships: ``configs/fmnist_vit_tiny.yaml`` and its 10-minute budget. That recipe has no focal views, so its ``msn`` run
+is the random-masking row of the masking-strategy table and the focal rows add 4 focal views of 2 x 2 patches (the
+paper's 96 / 224 of the side, rounded to whole patches). Every run gets the same wall-clock budget, not the same
+number of steps: focal views make a step dearer, and each run's steps are recorded. A budgeted run interrupted
+midway starts again (its budget is wall-clock time); the step-sized profiles resume. Steps whose outputs exist are
+skipped (``--force`` redoes them) and every evaluation is kept as JSON, so an interrupted plan continues where it
+stopped. Results of a profile are stored in ``docs/results/<profile>.json``; ``python -m benchmarks.render`` renders
+``docs/results.md`` from all stored profiles (the hand-written discussion in ``docs/results-notes.md`` is included
+verbatim).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[
     for bundle in [*runs, "random_init", "pixels"]:
         extra = ["--backend", "pixels"] if bundle == "pixels" else []
         steps.append(eval_step(work, bundle, "knn", ["--max-train", str(KNN_TRAIN), *extra]))
-    if spec.budgeted:  # the paper's feature too: the served one keeps a patch-token map that pixels alone do well on
+    if spec.budgeted:  # the paper's feature too: the served one adds the patch-token map to the CLS
         for bundle in runs:
             steps.append(eval_step(work, bundle, "lowshot", [*lowshot, *PAPER_CLS], tag="cls-lowshot"))
             steps.append(eval_step(work, bundle, "knn", ["--max-train", str(KNN_TRAIN), *PAPER_CLS], tag="cls-knn"))
