@@ -113,12 +113,17 @@ def torchrun_command(nproc: int) -> list[str]:
     return [*base, "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[Step]:
+def profile_runs(spec: Profile):
+    """The profile's resolved config and its pretraining runs (the plan and the collected result both need them)."""
     from training.config import load_config
 
+    config = load_config(REPO / spec.config)
+    return config, pretraining_runs(config.mask.ratio, spec.focal_views)
+
+
+def build_plan(work: Path, profile: str, nproc: int, docs: Path = DOCS) -> list[Step]:
     spec = PROFILES[profile]
-    default_ratio = load_config(REPO / spec.config).mask.ratio
-    runs = pretraining_runs(default_ratio, spec.focal_views)
+    _, runs = profile_runs(spec)
     steps: list[Step] = []
     for run in runs.values():
         out = work / "runs" / run.name
@@ -183,16 +188,14 @@ def plot_tsne(work: Path, png: Path) -> None:
 
 
 def collect(work: Path, profile: str, seconds: float) -> dict:
-    from training.config import load_config
     from training.evaluation.lowshot import DEFAULT_LAMBD
 
     spec = PROFILES[profile]
-    config = load_config(REPO / spec.config)
-    default_ratio = config.mask.ratio
+    config, planned = profile_runs(spec)
     runs = {n: {"label": r.label, "overrides": r.overrides, **run_record(work / "runs" / n)}
-            for n, r in pretraining_runs(default_ratio, spec.focal_views).items()}
+            for n, r in planned.items()}
     return {"profile": profile, "machine": machine(), "seconds": seconds, "config": spec.config,
-            "overrides": spec.overrides, "budgeted": spec.budgeted, "default_ratio": default_ratio,
+            "overrides": spec.overrides, "budgeted": spec.budgeted, "default_ratio": config.mask.ratio,
             "patches": (config.model.image_size // config.model.patch_size) ** 2,
             "lambd": DEFAULT_LAMBD, "runs": runs, "strategy": strategy_runs(spec.focal_views),
             "evals": read_evals(work)}

@@ -1,5 +1,5 @@
-"""A measuring plan as a list of resumable steps (pretrain, export, evaluate), shared by paper_tables.py and
-budget_curve.py: a step whose outputs exist is skipped, so an interrupted plan continues where it stopped.
+"""A measuring plan as a list of resumable steps (pretrain, export, evaluate), shared by the paper tables and the
+training benchmarks: a step whose outputs exist is skipped, so an interrupted plan continues where it stopped.
 """
 from __future__ import annotations
 
