@@ -74,7 +74,11 @@ def test_restart_never_resumes_a_checkpoint_from_an_earlier_launch(tmp_path, uni
     for name in ("checkpoint.pt", "launch.json", "config.yaml"):
         shutil.copy(uninterrupted / name, tmp_path / name)
     output = _torchrun(tmp_path, kill_at="step:2:1")
-    assert "is from an earlier launch" in output and "resumed from" not in output, output[-4000:]
+    # A later restart may follow (gloo can abort at teardown after the restarted run finished): it resumes this
+    # launch's own checkpoint, which is right. What must not happen is restart 1 resuming the earlier launch's.
+    resumed = [line for line in output.splitlines() if "resumed from" in line]
+    assert "is from an earlier launch" in output, output[-4000:]
+    assert not any(line.endswith("after torchrun restart 1") for line in resumed), output[-4000:]
     _assert_same_state(_reference(uninterrupted), load_checkpoint(tmp_path / "checkpoint.pt"))
 
 
