@@ -90,8 +90,12 @@ demo: setup data
 	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) \
 		--serve-url http://127.0.0.1:$(DEMO_PORT)
 
+# The suite on every core, at most 4 workers (each imports torch; more add memory, not speed, to a small machine).
+# A module's tests stay on one worker, in order (--dist loadscope): they share its server and what earlier tests made.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+
 test: setup data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 lint: setup
 	$(VENV)/bin/ruff check msn_core training msn_serve visualizer tests benchmarks

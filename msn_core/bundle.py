@@ -16,6 +16,7 @@ predate the section ignore it, so the format version stays 2.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from msn_core.durable import atomic_write_json
+from msn_core.durable import atomic_write_json, recover_dir
 from msn_core.features import FeatureError, check_feature, feature_dim
 from msn_core.masks import PAD
 
@@ -351,6 +352,8 @@ def parse_bundle_info(document: Any, *, where: str = META_FILE, path: Path | Non
 def load_bundle_info(bundle_dir: str | os.PathLike, *, need: Collection[str] = ()) -> BundleInfo:
     """Read and validate ``bundle_dir/msn.json``; ``need`` names files that must exist too (``ONNX_FILE``, ...)."""
     bundle_dir = Path(bundle_dir)
+    with contextlib.suppress(OSError):  # a read-only reader reads what is there (the old bundle, or none)
+        recover_dir(bundle_dir)  # an export killed between its two renames: finish it first
     meta = bundle_dir / META_FILE
     if not meta.is_file():
         why = "it does not exist" if not bundle_dir.exists() else f"no {META_FILE}"

@@ -11,20 +11,25 @@ visualizer and the service (classifiers, indexes, snapshots, its data directory)
   so an interrupted removal leaves no half-deleted directory under the old name);
 * :func:`quarantine`: a file that fails to parse is moved under ``<data-dir>/quarantine/`` with a logged reason,
   never deleted;
-* :func:`lock_data_dir`: one process per data directory, by a kernel lock that dies with the process.
+* :func:`lock_data_dir`: one process per data directory, by a kernel lock that dies with the process;
+* :func:`replace_dir` / :func:`recover_dir`: a whole directory (an index, a bundle, a published version) built in a
+  staging directory beside its path and swapped in, so the path always holds a whole old or a whole new one
+  (the protocol, and what a crash at each of its steps leaves, are under "Directory swap" below).
 
 Appending (the index store's write-ahead log) builds on :func:`write_all` and :func:`fsync_path`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,7 +40,10 @@ __all__ = [
     "fsync_path",
     "lock_data_dir",
     "quarantine",
+    "recover_dir",
+    "recover_dirs",
     "remove_durably",
+    "replace_dir",
     "write_all",
 ]
 
@@ -105,8 +113,11 @@ def remove_durably(path: Path) -> None:
 
 
 def clean_temp_files(root: Path) -> None:
-    """Delete leftovers of interrupted atomic writes / removals under ``root`` (never acknowledged, safe to drop);
-    ``quarantine/`` is left alone."""
+    """Finish or undo interrupted directory swaps under ``root`` (:func:`recover_dirs`), then delete leftovers of
+    interrupted atomic writes / removals (never acknowledged, safe to drop); ``quarantine/`` is left alone."""
+    for parent in sorted({p.parent for p in root.rglob(".*.swap*") if _SWAP_RE.fullmatch(p.name)}):
+        if "quarantine" not in parent.relative_to(root).parts:
+            recover_dirs(parent)
     for p in list(root.rglob(".*.tmp")) + list(root.rglob(".*.deleted.*")):
         if "quarantine" in p.relative_to(root).parts:
             continue
@@ -145,3 +156,231 @@ def lock_data_dir(data_dir: Path, *, owner: str) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     return fd
+
+
+# ------------------------------------------------------------------------------------------------ directory swap
+#
+# A directory cannot be ``rename``d over a non-empty one, so replacing one takes two renames, and a crash between
+# them would leave no directory at the path. A commit record makes the pair atomic. Names beside ``target`` (in its
+# parent P; ``tok`` = ``<pid>-<8 hex>``):
+#
+#   .<name>.<tok>.swap-new   the staging directory, flock'd by its writer for as long as it lives
+#   .<name>.<tok>.swap-old   the old directory moved aside (``keep_old``, e.g. a backup, instead when given)
+#   .<name>.swap.json        the commit record: {"new": staging name, "old": aside path relative to P, "keep_old"}
+#
+# replace_dir: 1 mkdir + flock the staging directory; the caller writes into it. 2 fsync every file and directory
+# in it. (No old directory: rename it to the target, fsync P; done.) 3 write the record (atomic_write: fsync'd):
+# the commit point. 4 rename the target to the aside. 5 rename the staging directory to the target. 6 remove the
+# aside (unless kept). 7 unlink the record. Steps 4-7 are _finish, which recovery runs too; every step checks the
+# state it finds, so a crash during recovery is recovered the same way.
+#
+# What ``kill -9`` leaves, as the next recover_dir (every replace_dir starts with one; readers call it before
+# opening) puts it: before 3, the old directory (or none, if there was none) and an orphan staging directory,
+# removed once its flock is free; from 3 on, the swap is finished forward: the new one is whole (fsync'd before
+# the record was written), so the path gets it and the aside and the record go. Between 4 and 5 the path is empty
+# until then: whoever opens it calls recover_dir first. Concurrent swaps and recoveries in one parent are
+# serialised by a flock on the parent directory, held only for the record's steps.
+
+_SWAP_RE = re.compile(r"\.(?P<name>.+?)(?:\.(?P<tok>\d+-[0-9a-f]{8})\.swap-(?P<kind>new|old)|\.swap\.json)")
+# Test seam: called with each step's name ("staged", "written", "synced", "journaled", "aside", "placed",
+# "old_removed", "done"); the kill tests make a real process SIGKILL itself there.
+_checkpoint: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if _checkpoint is not None:
+        _checkpoint(name)
+
+
+def _flock(path: Path, *, blocking: bool) -> int | None:
+    """An exclusive ``flock`` on a directory: its descriptor, or None when another holder has it (non-blocking).
+    The kernel drops it when the process dies, so a dead writer's staging directory is recognisable as such."""
+    import fcntl  # POSIX only
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = _flock(path, blocking=True)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _journal(target: Path) -> Path:
+    return target.parent / f".{target.name}.swap.json"
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root, topdown=False):
+        for name in files:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
+
+
+@contextlib.contextmanager
+def replace_dir(target: str | os.PathLike, *, keep_old: str | os.PathLike | None = None,
+                replace: bool = True) -> Iterator[Path]:
+    """Yield an empty staging directory beside ``target``; when the block ends normally it becomes ``target``.
+
+    The old ``target`` is removed once the new one is in place, or moved to ``keep_old`` (on the same file system)
+    when given. ``replace=False`` refuses (``FileExistsError``) to replace an existing ``target``. On an exception
+    in the block the staging directory is removed and ``target`` is untouched. A crash at any point leaves a path
+    that :func:`recover_dir` makes whole (see the protocol above).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(target)
+    staging = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.swap-new"
+    staging.mkdir()
+    lock = _flock(staging, blocking=True)
+    try:
+        _step("staged")
+        yield staging
+        _step("written")
+        _fsync_tree(staging)
+        fsync_path(target.parent)  # the staging directory's own entry, before a record can name it
+        _step("synced")
+        with _locked(target.parent):
+            _commit(target, staging, None if keep_old is None else Path(keep_old), replace)
+    except BaseException:
+        if not _committed(target, staging):  # once committed, the record owns the staging directory
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _committed(target: Path, staging: Path) -> bool:
+    try:
+        return json.loads(_journal(target).read_text()).get("new") == staging.name
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _commit(target: Path, staging: Path, keep_old: Path | None, replace: bool) -> None:
+    parent = target.parent
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        try:
+            fsync_path(parent)
+        except OSError:  # not durable: undo, so a failed call leaves the path as it found it (nothing there)
+            with contextlib.suppress(OSError):
+                os.rename(target, staging)
+            raise
+        _step("placed")
+        _step("done")
+        return
+    if not replace:
+        raise FileExistsError(f"{target} exists")
+    aside = keep_old or parent / (staging.name.removesuffix(".swap-new") + ".swap-old")
+    if os.path.lexists(aside):
+        raise FileExistsError(f"{aside} exists (where the old {target.name} was to be moved)")
+    if not aside.parent.is_dir():  # e.g. the first backup: the new folder must survive a crash too
+        aside.parent.mkdir(parents=True)
+        fsync_path(aside.parent.parent)
+    atomic_write_json(_journal(target), {"new": staging.name, "old": os.path.relpath(aside, parent),
+                                         "keep_old": keep_old is not None})
+    _step("journaled")
+    _finish(target)
+
+
+def _finish(target: Path) -> None:
+    """Steps 4-7 of a committed swap, from whatever state a crash left them in (holding the parent's lock)."""
+    parent, journal = target.parent, _journal(target)
+    try:
+        record = json.loads(journal.read_text())
+        new, old, keep = parent / record["new"], parent / record["old"], bool(record["keep_old"])
+    except (ValueError, KeyError, TypeError) as e:  # atomic_write makes this impossible; say so if it happens
+        log.error("unreadable swap record %s (%s): removed", journal, e)
+        journal.unlink()
+        fsync_path(parent)
+        return
+    if new.is_dir():
+        if os.path.lexists(target):
+            if os.path.lexists(old):
+                raise OSError(f"cannot finish replacing {target}: {old} is in the way")
+            os.rename(target, old)
+            fsync_path(parent)
+            if old.parent != parent:
+                fsync_path(old.parent)
+            _step("aside")
+        os.rename(new, target)
+        fsync_path(parent)
+        _step("placed")
+    elif not os.path.lexists(target) and old.is_dir():  # the new one is gone (not by this protocol): undo
+        log.error("%s: the new directory of an interrupted swap is missing; putting the old one back", target)
+        os.rename(old, target)
+        fsync_path(parent)
+    if not keep and os.path.lexists(old):
+        shutil.rmtree(old)
+        _step("old_removed")
+    journal.unlink()
+    fsync_path(parent)
+    _step("done")
+
+
+def _leftovers(parent: Path) -> dict[str, list[tuple[str, str]]]:
+    """``{target name: [(entry name, kind), ...]}`` of the swap leftovers in ``parent`` (kind new/old/journal)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    try:
+        names = [e.name for e in os.scandir(parent) if e.name.startswith(".")]
+    except FileNotFoundError:
+        return found
+    for name in names:
+        m = _SWAP_RE.fullmatch(name)
+        if m:
+            found.setdefault(m["name"], []).append((name, m["kind"] or "journal"))
+    return found
+
+
+def recover_dir(target: str | os.PathLike) -> None:
+    """Make ``target`` whole after an interrupted :func:`replace_dir`: finish a committed swap, remove a dead
+    writer's staging directory. Costs one directory listing when there is nothing to do (readers call it before
+    opening); raises ``OSError`` when it cannot write (a read-only reader then reads what the path holds)."""
+    target = Path(target)
+    if target.name not in _leftovers(target.parent):
+        return
+    with _locked(target.parent):
+        entries = _leftovers(target.parent).get(target.name, [])
+        if any(kind == "journal" for _, kind in entries):
+            _finish(target)
+        for name, kind in _leftovers(target.parent).get(target.name, []):
+            path = target.parent / name
+            if kind == "new":
+                fd = _flock(path, blocking=False)
+                if fd is None:
+                    continue  # a live writer's
+                try:
+                    log.info("removing %s (a staging directory whose writer is gone)", path)
+                    shutil.rmtree(path)
+                finally:
+                    os.close(fd)
+            elif kind == "old":  # not left by the protocol (the record outlives the aside); be safe anyway
+                if os.path.lexists(target):
+                    shutil.rmtree(path)
+                else:
+                    os.rename(path, target)
+            fsync_path(target.parent)
+
+
+def recover_dirs(parent: str | os.PathLike) -> None:
+    """:func:`recover_dir` for every directory in ``parent`` with swap leftovers (a store opening its folder sees
+    an index whose swap was interrupted between its two renames, which listing the folder alone would miss)."""
+    parent = Path(parent)
+    for name in sorted(_leftovers(parent)):
+        recover_dir(parent / name)

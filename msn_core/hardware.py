@@ -38,6 +38,11 @@ class CpuInfo:
         return any(f in self.flags for f in INT8_FLAGS)
 
     @property
+    def auto_precision(self) -> str:
+        """What ``run.precision: auto`` trains in on this CPU (and ``msn-doctor`` reports): bf16 only on bf16 units."""
+        return "bf16" if self.bf16_native else "fp32"
+
+    @property
     def amx(self) -> bool:
         return "amx_tile" in self.flags
 

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from msn_core.bundle import OUTPUT_NAME, check_graph_inputs, onnx_feeds
+from msn_core.gpu import GPU_INSTALL, CudaUnavailable, cuda_driver_problem, ort_cuda_problem
+from msn_core.optional import MissingDependency, require
 
 __all__ = [
     "OPENVINO_PRECISION_HINTS",
@@ -38,6 +40,7 @@ __all__ = [
 log = logging.getLogger("msn_core.inference")
 
 # OpenVINO's INFERENCE_PRECISION_HINT per precision; int8 runs the graph's own Q/DQ with f32 around them.
+ORT_PURPOSE = "running a bundle's graph on ONNX Runtime"
 OPENVINO_PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}
 CUDA_PROVIDER_OPTIONS = {"arena_extend_strategy": "kSameAsRequested", "cudnn_conv_algo_search": "HEURISTIC",
                          "do_copy_in_default_stream": True}
@@ -56,7 +59,7 @@ def available_cpus() -> int:
 
 def ort_session_options(intra_op_threads: int = 0) -> Any:
     """``onnxruntime.SessionOptions`` for a bundle graph; ``intra_op_threads`` 0 = :func:`available_cpus`."""
-    import onnxruntime as ort
+    ort = require("onnxruntime", ORT_PURPOSE)
 
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -71,24 +74,25 @@ def ort_session_options(intra_op_threads: int = 0) -> Any:
 
 
 def ort_device(device: str) -> str:
-    """The device ONNX Runtime will run on for ``device`` (``cpu``, ``cuda`` or ``cuda:N``): CUDA only when
-    onnxruntime has its CUDA provider (``onnxruntime-gpu``), else ``cpu`` with a warning."""
+    """The device ONNX Runtime will run on for ``device`` (``cpu``, ``cuda`` or ``cuda:N``); :class:`CudaUnavailable`
+    when CUDA is asked for and onnxruntime has no CUDA provider (the CPU build) or no GPU is visible: an explicit
+    GPU request never quietly runs on the CPU."""
     if not device.startswith("cuda"):
         return "cpu"
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" in ort.get_available_providers():
-        return device
-    log.warning("device %s requested but onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu); "
-                "falling back to CPU", device)
-    return "cpu"
+    ort_why, driver_why = ort_cuda_problem(), cuda_driver_problem()
+    why = [f"{ort_why}: {GPU_INSTALL}"] if ort_why else []
+    if driver_why:
+        why.append(driver_why)
+    if why:
+        raise CudaUnavailable(f"--device {device} " + ("needs " if ort_why else "") + "; and ".join(why))
+    return device
 
 
 @cache
 def _preload_cuda_libraries() -> None:
     """Load the CUDA and cuDNN libraries onnxruntime-gpu needs from the ``nvidia-*`` wheels (or torch's, when torch
     is imported) before the first CUDA session: without it the provider finds them only on LD_LIBRARY_PATH."""
-    import onnxruntime as ort
+    ort = require("onnxruntime", ORT_PURPOSE)
 
     preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21
     if preload is not None:
@@ -108,7 +112,7 @@ class OrtGraph:
     runtime = "onnxruntime"
 
     def __init__(self, model_path: str | os.PathLike, *, device: str = "cpu", intra_op_threads: int = 0) -> None:
-        import onnxruntime as ort
+        ort = require("onnxruntime", ORT_PURPOSE)
 
         self.model_path = Path(model_path)
         self.device = ort_device(device)
@@ -120,11 +124,11 @@ class OrtGraph:
         self.session = ort.InferenceSession(str(self.model_path), sess_options=ort_session_options(intra_op_threads),
                                             providers=providers)
         if self.device != "cpu" and self.provider != "CUDAExecutionProvider":
-            # The provider is listed but could not start (CUDA/cuDNN libraries missing or mismatched): ORT then
-            # runs the session on the CPU. Say so, and report the device that really runs it.
-            log.warning("onnxruntime could not start its CUDA provider for %s (see its error above); running on "
-                        "CPU", self.model_path.name)
-            self.device = "cpu"
+            # The provider is listed but could not start (CUDA/cuDNN libraries missing or mismatched): ORT would
+            # run the session on the CPU. A GPU was asked for, so stop instead.
+            raise CudaUnavailable(f"--device {self.device}: onnxruntime {ort.__version__} could not start its CUDA "
+                                  f"provider for {self.model_path.name} (CUDA/cuDNN libraries missing or not "
+                                  "matching its CUDA version; its own error is logged above)")
         self.input_names = {i.name for i in self.session.get_inputs()}
         check_graph_inputs(self.input_names, where=str(self.model_path))
         outputs = [o.name for o in self.session.get_outputs()]
@@ -156,9 +160,9 @@ class OrtGraph:
 def openvino_status() -> tuple[bool, str]:
     """``(usable, why)``: OpenVINO importable with a CPU device, or the reason it is not."""
     try:
-        import openvino as ov
-    except ImportError:
-        return False, "openvino is not installed (pip install openvino; it is part of the serve extra)"
+        ov = require("openvino", "the OpenVINO runtime")
+    except MissingDependency as e:
+        return False, str(e)
     try:
         devices = ov.Core().available_devices
     except Exception as e:  # noqa: BLE001 - a broken plugin install must not stop the ONNX Runtime path
@@ -204,7 +208,7 @@ class OpenVinoGraph:
 
     def __init__(self, model_path: str | os.PathLike, *, precision: str = "fp32", threads: int = 0) -> None:
         self.config = openvino_config(precision, threads)  # ValueError on an unknown precision, before the import
-        import openvino as ov
+        ov = require("openvino", "the OpenVINO runtime")
 
         self.model_path, self.precision, self.device = Path(model_path), precision, "cpu"
         core = ov.Core()

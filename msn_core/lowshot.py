@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from msn_core.optional import require
+
 __all__ = ["DEFAULT_LAMBD", "LinearClassifier", "center_and_normalize", "fit_logistic"]
 
 # The official logistic_eval.py default (its README example passes 0.0025 at 5 images per class). One value for
@@ -83,7 +85,7 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
         raise ValueError(f"need at least 2 distinct labels to fit a classifier, got {classes.tolist()}")
     if not (np.isfinite(lambd) and lambd > 0):
         raise ValueError(f"lambd must be a positive number, got {lambd}")
-    from cyanure.estimators import Classifier  # ~1 s to import, and only needed here
+    Classifier = require("cyanure.estimators", "the low-shot classifier fit").Classifier  # ~1 s, only here
 
     common = {"penalty": "l2", "fit_intercept": False, "lambda_1": lambd / len(y), "tol": tol, "solver": "auto",
               "max_iter": max_iter, "n_threads": n_threads, "random_state": seed, "duality_gap_interval": 10,

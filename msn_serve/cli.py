@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from msn_serve.config import Settings
+from msn_serve.device import cuda_refusal
 
 FLAGS: list[tuple[str, type, str]] = [
     ("bundle", str, ("exported bundle directory (msn-export output), served as model 'default'; or NAME=PATH, "
@@ -18,7 +19,9 @@ FLAGS: list[tuple[str, type, str]] = [
     ("host", str, "bind address (default 127.0.0.1)"),
     ("port", int, "TCP port (default 8000; 0 = any free port)"),
     ("api-key-file", str, "file with the Bearer API key; omit for no auth"),
-    ("device", str, "cpu or cuda (ONNX Runtime, and flat/IVF FAISS indexes where faiss has GPU support)"),
+    ("device", str, ("cpu (default), cuda (ONNX Runtime's CUDA provider and flat/IVF FAISS indexes on the GPU; "
+                     "refuses to start, naming what is missing, when onnxruntime-gpu, faiss-gpu or a GPU is not "
+                     "here) or auto (cuda when all are here, else cpu; /readyz says which and why)")),
     ("precision", str, ("auto (default: the fastest gated choice on this CPU, measured at start-up), fp32, "
                         "int8 (the bundle's guarded graph) or bf16 (OpenVINO, CPUs with bf16 units)")),
     ("runtime", str, "auto (default), onnxruntime or openvino (CPU)"),
@@ -39,6 +42,9 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-label-chars", int, "characters of one few-shot label (422 beyond)"),
     ("max-fit-samples", int, "examples in one few-shot fit (413 beyond)"),
     ("max-fit-classes", int, "distinct labels in one few-shot fit (413 beyond)"),
+    ("select-candidates", int, "items select/suggest consider: a seeded sample of the index beyond this"),
+    ("max-select", int, "largest n of a select or suggest request (413 beyond)"),
+    ("max-page", int, "largest limit of a predict_index page (413 beyond)"),
     ("fit-workers", int, "few-shot fit worker processes (fits running at once)"),
     ("preprocess-threads", int, "threads decoding uploads (0 = 2 on cpu, every core on cuda)"),
     ("max-queued-fits", int, "fits waiting for a worker; beyond that 503 + Retry-After"),
@@ -65,7 +71,7 @@ def parse_args(argv: Sequence[str] | None) -> dict:
                                 "set as MSN_SERVE_<NAME> (e.g. MSN_SERVE_MAX_BATCH_SIZE=64; "
                                 "MSN_SERVE_BUNDLE=a=/models/a,b=/models/b).")
     for name, typ, help_ in FLAGS:
-        extra = {"choices": ["cpu", "cuda"]} if name == "device" else {}
+        extra = {"choices": ["cpu", "cuda", "auto"]} if name == "device" else {}
         extra = {"choices": ["writer", "reader"]} if name == "role" else extra
         extra = {"choices": ["auto", "fp32", "int8", "bf16"]} if name == "precision" else extra
         extra = {"choices": ["auto", "onnxruntime", "openvino"]} if name == "runtime" else extra
@@ -91,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     print(f"msn-serve settings: {settings.banner()}", file=sys.stderr, flush=True)
+    if settings.device == "cuda":  # before the bundle is read or the port bound: one line, what is missing, the fix
+        why = cuda_refusal()
+        if why:
+            print(f"msn-serve: {why}", file=sys.stderr)
+            return 2
 
     import uvicorn
 

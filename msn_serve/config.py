@@ -38,7 +38,9 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="API key given directly (prefer api_key_file)")
     api_keys_file: Path | None = Field(None, description="keys file: 'scopes key-or-sha256:digest [name]' per line, "
                                                           "re-read on change or SIGHUP (docs/serving.md)")
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu", description="cuda refuses to start unless onnxruntime-gpu, faiss-gpu and a GPU are all here; auto = "
+                           "cuda when they are, else cpu (msn_serve.device)")
     fp16: bool = Field(True, description="on CUDA, run an fp16 variant of the model (fp32 inputs/outputs)")
     precision: Literal["auto", "fp32", "int8", "bf16"] = Field(
         "auto", description="auto = the fastest that passes the accuracy gate on this CPU, measured at start-up; "

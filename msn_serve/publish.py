@@ -7,22 +7,22 @@ Layout under the data directory::
     published/<version>/indexes/<name>/{config.json,index.faiss,state.npz}   (msn_serve.indexes.files)
     published/<version>/classifiers/<name>.npz
 
-A version is staged in a hidden ``.…tmp`` directory, every file fsync'd, renamed into place, and only then named in
-``CURRENT``: a reader that follows ``CURRENT`` can never see a partial version. Versions are never modified; old ones
-are deleted only when ``keep`` newer ones exist and the next one has been current for ``grace_s`` (a reader still
-loading an old version keeps its already open memory maps even after deletion).
+A version is written in a staging directory, every file fsync'd and renamed into place
+(:func:`msn_core.durable.replace_dir`), and only then named in ``CURRENT``: a reader that follows ``CURRENT`` can
+never see a partial version. Versions are never modified; old ones are deleted only when ``keep`` newer ones
+exist and the next one has been current for ``grace_s`` (a reader still loading an old version keeps its already
+open memory maps even after deletion).
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from msn_core.durable import atomic_write, fsync_path, remove_durably
+from msn_core.durable import atomic_write, remove_durably, replace_dir
 from msn_serve.classifiers.fewshot import ClassifierStore
 from msn_serve.indexes.store import IndexStore
 
@@ -66,11 +66,9 @@ def publish(data_dir: Path, indexes: IndexStore, classifiers: ClassifierStore, *
         root.mkdir(parents=True, exist_ok=True)
         existing = _versions(root)
         version = f"{int(existing[-1]) + 1 if existing else 1:08d}"
-        staging = root / f".{version}.{time.time_ns()}.tmp"  # removed by clean_temp_files if we crash
-        staging.mkdir()
-        try:
-            manifest: dict[str, Any] = {"version": version, "model_id": model_id, "created": time.time(),
-                                        "indexes": {}, "classifiers": []}
+        manifest: dict[str, Any] = {"version": version, "model_id": model_id, "created": time.time(),
+                                    "indexes": {}, "classifiers": []}
+        with replace_dir(root / version, replace=False) as staging:  # a crash leaves no partial version
             for name, idx in sorted(indexes.indexes.items(), key=lambda kv: kv[0]):
                 try:
                     idx.export(staging / "indexes" / name)
@@ -83,18 +81,8 @@ def publish(data_dir: Path, indexes: IndexStore, classifiers: ClassifierStore, *
             cdir.mkdir()
             for name, clf in sorted(classifiers.items.items(), key=lambda kv: kv[0]):
                 (cdir / f"{name}.npz").write_bytes(clf.to_bytes())
-                fsync_path(cdir / f"{name}.npz")
                 manifest["classifiers"].append(name)
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            fsync_path(staging / MANIFEST)
-            for d in (cdir, staging / "indexes", staging):
-                if d.is_dir():
-                    fsync_path(d)
-            os.rename(staging, root / version)
-            fsync_path(root)
-        except BaseException:
-            remove_durably(staging)
-            raise
         atomic_write(root / CURRENT, f"{version}\n".encode())
         removed = _collect_garbage(root, keep=keep, grace_s=grace_s)
         manifest["seconds"] = round(time.perf_counter() - t0, 3)

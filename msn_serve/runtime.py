@@ -24,6 +24,7 @@ from msn_core.durable import clean_temp_files, lock_data_dir
 from msn_serve.classifiers.fewshot import ClassifierStore
 from msn_serve.classifiers.service import ClassifierService
 from msn_serve.config import ModelSpec, Settings, check_model_name
+from msn_serve.device import resolve_device
 from msn_serve.embedding.choice import RuntimeChoice
 from msn_serve.embedding.models import ModelRegistry, load_model
 from msn_serve.embedding.service import EmbeddingService
@@ -46,6 +47,12 @@ class Runtime:
     """
 
     def __init__(self, settings: Settings):
+        # --device auto becomes cpu or cuda here, once, before anything is loaded; cuda that cannot work is refused
+        # (DeviceUnavailable, a ValueError) rather than served on the CPU.
+        self.device = resolve_device(settings.device, precision=settings.precision, runtime=settings.runtime)
+        if self.device.requested == "auto":
+            log.info("--device auto: %s (%s)", self.device.device, self.device.reason)
+        settings = settings.model_copy(update={"device": self.device.device})
         self.settings = settings
         self.metrics = Metrics()
         specs = settings.model_specs()
@@ -165,7 +172,8 @@ class Runtime:
 
     async def readiness(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
         """``(ready, detail)`` for ``/readyz`` and the OIP health routes: every model, or the one named."""
-        return await self.models.readiness(model)
+        ready, detail = await self.models.readiness(model)
+        return ready, {**detail, "device_requested": self.device.requested, "device_reason": self.device.reason}
 
     # ---- model management (PUT/DELETE /admin/models/{name}) ------------------------------------------------------
     async def put_model(self, name: str, bundle: Any) -> dict[str, Any]:

@@ -202,7 +202,7 @@ def test_serving_rooms_import_no_service_root_and_no_http(graph, room):
 MSN_SERVE_ROWS = [
     ("client",),  # the Python client: HTTP only, imports nothing else of msn_serve, and nothing imports it
     ("__main__",),
-    ("cli",),
+    ("cli", "doctor"),  # msn-serve; msn-doctor (what this machine offers, torch only in a subprocess)
     ("http",),  # validates requests, calls the services with plain arguments, renders the results
     ("runtime",),  # builds the services from the settings and the bundle, starts and stops them
     ("snapshots",),  # read-only replicas reload what the one writer published
@@ -211,6 +211,7 @@ MSN_SERVE_ROWS = [
     ("classifiers",),  # few-shot classifiers and the label loop, over the indexes' vectors
     ("indexes",),  # named FAISS indexes, filled from embeddings
     ("embedding",),  # images in, embeddings out
+    ("device",),  # cpu / cuda (refused when it cannot work) / auto, decided before anything loads
     ("__init__", "config", "errors", "jsontext", "metrics", "work"),
 ]
 

@@ -6,7 +6,8 @@ What is here, by what it is for:
 - configs: ``read_raw_config`` and ``build_dataclass`` parse YAML + ``--set key=value`` overrides into typed
   dataclasses with pretraining's rules; ``ConfigError`` is what they raise for a bad key or value.
 - data: ``build_dataset`` / ``build_loader`` (resumable distributed sampler), ``FashionMNIST`` (the real offline
-  dataset), ``eval_transform`` (a bundle's evaluation preprocessing on uint8 tensors).
+  dataset), ``ImageListDataset`` (the images of a ``msn_core.sources`` listing, decoded with Pillow),
+  ``eval_transform`` (a bundle's evaluation preprocessing on uint8 tensors).
 - encoders: ``load_encoder`` reads an exported bundle's torch encoder; ``as_keep_tensor`` / ``encoder_keep_args``
   turn kept-patch indices (``-1`` = padding) into what the encoder takes; ``ema_update`` keeps an EMA copy.
 - processes: ``init_distributed`` / ``barrier`` / ``cleanup`` and ``DistInfo`` (one process per device, torchrun).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, build_dataclass, read_raw_config
-from training.data import FashionMNIST, build_dataset, build_loader
+from training.data import FashionMNIST, ImageListDataset, build_dataset, build_loader
 from training.distributed import DistInfo, barrier, cleanup, init_distributed
 from training.masking import as_keep_tensor, encoder_keep_args
 from training.model.load import load_encoder
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "DistInfo",
     "FashionMNIST",
+    "ImageListDataset",
     "Progress",
     "as_keep_tensor",
     "autocast_factory",

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from msn_core.gpu import CudaUnavailable, cuda_driver_problem
+
 __all__ = [
     "DistInfo",
     "all_gather_object",
@@ -44,14 +46,33 @@ class DistInfo:
     backend: str | None
 
 
+def torch_problem(version: str, cuda_build: str | None, devices: int, driver: str | None) -> str | None:
+    """Why torch ``version`` (built for CUDA ``cuda_build``, None: the CPU build) cannot train on a GPU when it
+    sees ``devices`` GPUs and the driver check said ``driver``; None when it can."""
+    if cuda_build is None:
+        return (f"torch's CUDA build (this torch {version} is the CPU build): pip install --force-reinstall "
+                "torch==2.13.0 --index-url https://pypi.org/simple (PyPI's Linux wheel is the CUDA build)")
+    if devices < 1:
+        return f"a GPU torch {version} (CUDA {cuda_build}) can use: " + (driver or "torch.cuda finds none")
+    return None
+
+
+def torch_cuda_problem() -> str | None:
+    """:func:`torch_problem` for this process's torch (no CUDA context is created: device_count reads NVML/driver)."""
+    driver = cuda_driver_problem()
+    devices = torch.cuda.device_count() if torch.version.cuda and driver is None else 0
+    return torch_problem(torch.__version__, torch.version.cuda, devices, driver)
+
+
 def _resolve_device(device: str, local_rank: int) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return torch.device("cpu")
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' requested but CUDA is not available")
+        why = torch_cuda_problem()
+        if why:
+            raise CudaUnavailable(f"run.device=cuda needs {why}")
         # One GPU per process: torchrun's LOCAL_RANK picks it.
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

@@ -12,7 +12,7 @@ Per image and step: an unmasked target view goes through the EMA target encoder;
 `num_focal` small focal views go through the online encoder; the anchors' prototype assignments are trained to
 match the sharpened, Sinkhorn-balanced assignment of the target (training/model/losses.py). The run lasts
 `optim.epochs`, `optim.total_steps` optimiser steps, or `optim.budget_minutes` of wall-clock time, decided
-before the loop (training/run/length.py); a budget run re-plans it from its measured rate (training/run/budget.py).
+before the loop (training/run/length.py); a budget run resizes it from its measured rate (training/run/budget.py).
 
 `main` reads top to bottom: config -> distributed -> build (and resume) -> run length -> loop -> save.
 Resuming happens with ``--resume``, or by itself when torchrun restarts the workers of this launch
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from msn_core.gpu import CudaUnavailable
 from training import distributed as dist
 from training.bundle.warm_start import init_run
 from training.checkpoint import (
@@ -54,7 +55,7 @@ from training.config import (
 from training.model.vit import encoder_kwargs
 from training.run.build import Run, build_run, preprocessing
 from training.run.collapse import CollapseDetector, RunGeometry
-from training.run.length import RunLength, RunPlan, plan_run
+from training.run.length import RunLength, RunSchedule, schedule_run
 from training.run.monitor import TrainingMonitor
 from training.run.plan import parse_budget, plan_config, set_length
 from training.run.probe import build_probe
@@ -95,7 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"pretrain: {err}")
     # 2. distributed: one process per device (torchrun's environment, or a single process)
-    info = dist.init_distributed(cfg.run.device)
+    try:
+        info = dist.init_distributed(cfg.run.device)
+    except CudaUnavailable as err:  # run.device=cuda with no usable GPU: one line, not a CPU run
+        sys.exit(f"pretrain: {err}")
     logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING, format="%(asctime)s %(message)s")
     started_at = time.monotonic()  # a budget counts from here: building, calibration, the loop, checkpoints
     launch = None  # rank 0: this launch's id, new or (torchrun restarted the workers) read back; checkpoints keep it
@@ -119,10 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
         probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
         # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
-        # re-plans both from its measured rate (training/run/budget.py); every checkpoint stores the plan
-        plan = plan_run(run, stored=state.stored_length, started_at=started_at)
-        state.length = plan
-        length = plan.length
+        # resizes both from its measured rate (training/run/budget.py); every checkpoint stores the length
+        schedule = schedule_run(run, stored=state.stored_length, started_at=started_at)
+        state.length = schedule
+        length = schedule.length
         # 5. loop: optimiser steps with logs and periodic checkpoints
         monitor = TrainingMonitor(args.output_dir, enabled=info.rank == 0, total_steps=length.stop_at,
                                   start_step=progress.step, progress_bar=cfg.run.progress_bar,
@@ -130,13 +134,13 @@ def main(argv: list[str] | None = None) -> None:
                                   detector=CollapseDetector(RunGeometry.from_config(cfg)),
                                   stop_on_collapse=cfg.run.stop_on_collapse)
         monitor.write(describe(run, length))
-        last = train_loop(run, plan, progress, monitor, checkpoints)
+        last = train_loop(run, schedule, progress, monitor, checkpoints)
         # 6. save: the last step's checkpoint, unless the loop just wrote it
         if last is not None and checkpoints.saved_step != progress.step:
             checkpoints.save(progress, last)
         minutes = (time.monotonic() - started_at) / 60
-        spent = f"; {plan.summary()}" if plan.budget is not None else ""
-        monitor.write(f"done: step {progress.step} of {plan.length.total_steps}, epoch {progress.epoch}, "
+        spent = f"; {schedule.summary()}" if schedule.budget is not None else ""
+        monitor.write(f"done: step {progress.step} of {schedule.length.total_steps}, epoch {progress.epoch}, "
                       f"{minutes:.1f} min{spent}; checkpoint at {checkpoints.path}")
         monitor.close()
         if monitor.stopped_by is not None:  # run.stop_on_collapse: the checkpoint is kept, the exit status says so
@@ -173,28 +177,28 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return config_from_dict(raw)
 
 
-def train_loop(run: Run, plan: RunPlan, progress: Progress, monitor: TrainingMonitor,
+def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: TrainingMonitor,
                checkpoints: Checkpoints) -> StepOutput | None:
-    """Optimiser steps from ``progress`` to ``plan.length.stop_at`` (which a budget run re-plans as it goes), with
+    """Optimiser steps from ``progress`` to ``schedule.length.stop_at`` (which a budget run resizes as it goes), with
     logs and periodic and epoch checkpoints.
 
     Returns the last step's output (None when there was no step left); the caller writes the last checkpoint.
     """
     cfg, last, skipped_files = run.cfg, None, 0
     batches = batches_from(run.loader, run.sampler, progress, cfg.data.batch_size)
-    plan.start(progress.step)
-    while progress.step < plan.length.stop_at:
+    schedule.start(progress.step)
+    while progress.step < schedule.length.stop_at:
         images, _labels, num_skipped = next(batches)
         skipped_files += num_skipped
-        last = train_step(run, plan.schedules.at(progress.step), images)
+        last = train_step(run, schedule.schedules.at(progress.step), images)
         epoch_ended = progress.advance(run.steps_per_epoch)
         fault_point("step", progress.step)  # test hook (MSN_TEST_KILL_AT): a rank killed mid-run
         monitor.step(run.global_batch)
-        if plan.after_step(progress.step) is not None and monitor.bar is not None:
-            monitor.bar.total = plan.length.stop_at  # the progress bar follows the re-planned end
-        if progress.step % cfg.run.log_every_steps == 0 or progress.step == plan.length.stop_at:
+        if schedule.after_step(progress.step) is not None and monitor.bar is not None:
+            monitor.bar.total = schedule.length.stop_at  # the progress bar follows the resized end
+        if progress.step % cfg.run.log_every_steps == 0 or progress.step == schedule.length.stop_at:
             monitor.log(progress.step, progress.epoch, log_record(last, run, skipped_files),
-                        final=progress.step == plan.length.stop_at)
+                        final=progress.step == schedule.length.stop_at)
             if monitor.should_stop():  # run.stop_on_collapse and a collapse confirmed: every rank stops here
                 break
         if progress.step % cfg.run.checkpoint_every_steps == 0 or epoch_ended:

@@ -1,7 +1,7 @@
 """Gradio app: mask an image, sample from the RCDM decoder, see what the MSN representation keeps.
 
-Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``) so the app is also an
-API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and ``/compare``
+Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``, ``/neighbours``) so
+the app is also an API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and ``/compare``
 endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users. The random
 and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.masks` (the status line shows the
 specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
@@ -10,7 +10,10 @@ Sampling runs through Gradio's queue with a bounded concurrency. Outside localho
 
 The app offers only what the decoder was trained for: the guidance slider appears only for a decoder whose checkpoint
 records condition dropout (otherwise guidance is fixed at 1 and ``/sample`` refuses any other scale), and the header
-names the decoder's training step and the quality figure its run measured (:mod:`visualizer.quality`).
+names the decoder's training step and the quality figure its run measured (:mod:`visualizer.quality`). Started
+without a decoder, it offers the masks, the kept patches and the nearest neighbours from a running ``msn-serve``
+(``/neighbours``, :mod:`visualizer.neighbours`, there with a decoder too); the sampling controls and endpoints are
+then absent, and a note says how to train a decoder.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ import torch
 from PIL import Image
 
 from msn_core.masks import keep_from_bitmap
+from msn_core.optional import require
+from visualizer.features import FrozenEncoder
 from visualizer.label_tab import build_label_tab
 from visualizer.masks import MODES, keep_bitmap, mask_spec
+from visualizer.neighbours import build_neighbours_panel
 from visualizer.pipeline import RCDMPipeline, load_image
 from visualizer.quality import describe
 from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
 
-__all__ = ["build_app", "decoder_summary", "example_images", "launch", "password_check"]
+__all__ = ["NO_DECODER", "build_app", "decoder_summary", "example_images", "launch", "password_check"]
 
 log = logging.getLogger("msn.visualize")
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
@@ -45,6 +51,9 @@ GRID_PX = 320
 SHOW_PX = 160
 EXAMPLE_PX = 384
 GUIDANCE_MAX_SLIDER = 5.0
+NO_DECODER = ("No decoder: masks, kept patches and nearest neighbours only. To sample what the representation keeps, "
+              "train one (`msn-visualize train --bundle B --data DIR --output-dir runs/rcdm`; a flat folder of your "
+              "images will do) and start the app with `--decoder runs/rcdm`.")
 
 
 def _save_png(image: Image.Image, path: Path) -> None:
@@ -70,7 +79,7 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
             paths.append(path)
     except FileNotFoundError:
         log.info("Fashion-MNIST is not installed: no Fashion-MNIST examples")
-    from skimage import data as skdata
+    skdata = require("skimage.data", "the app's example photos")
 
     for name in SKIMAGE_PHOTOS:
         path = out_dir / f"{name}.png"
@@ -122,23 +131,24 @@ class CheckedImage(gr.Image):
 class Session:
     """The app's model-side functions, independent of the UI (so they can be unit-tested)."""
 
-    def __init__(self, primary: RCDMPipeline, compare: RCDMPipeline | None = None) -> None:
-        self.primary, self.compare_pipe = primary, compare
+    def __init__(self, encoder: FrozenEncoder, primary: RCDMPipeline | None = None,
+                 compare: RCDMPipeline | None = None) -> None:
+        self.encoder, self.primary, self.compare_pipe = encoder, primary, compare
 
     @property
     def grid(self) -> int:
-        return self.primary.encoder.grid
+        return self.encoder.grid
 
     def view(self, path: str | None, pipe: RCDMPipeline | None = None) -> np.ndarray:
         """The encoder's view (resize + centre crop) of an uploaded file, (crop, crop, 3) uint8."""
         if not path:
             raise gr.Error("Upload an image or pick an example first.")
-        pipe = pipe or self.primary
+        encoder = pipe.encoder if pipe is not None else self.encoder
         try:
-            image = load_image(path, min_size=pipe.encoder.patch_size)
+            image = load_image(path, min_size=encoder.patch_size)
         except ValueError as exc:
             raise gr.Error(f"Bad image: {exc}") from None
-        return to_hwc(pipe.encoder.model_view(image)[0])
+        return to_hwc(encoder.model_view(image)[0])
 
     def keep_bitmap(self, mode: str, ratio: float, seed: int, focal: float, clicked: np.ndarray | None,
                     grid: int | None = None) -> np.ndarray:
@@ -165,21 +175,87 @@ class Session:
         return upscale(masked_view(view, keep), SHOW_PX), [upscale(to_hwc(s), size) for s in samples]
 
 
-def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
-              examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
-    session = Session(primary, compare)
+def _sampling_ui(session: Session, primary: RCDMPipeline, mask_inputs: list, status: gr.Markdown) -> None:
+    """The decoder's controls, the Samples and Side by side tabs and their ``/sample`` and ``/compare`` events."""
     cfg = primary.config.diffusion
-    about = decoder_summary(primary)
-    if compare is not None:
-        about += f"  \nComparison bundle {compare.name}: {decoder_summary(compare)}"
+    with gr.Row():
+        num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples", elem_id="num-samples")
+        steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
+        guidance = gr.Slider(0.0, GUIDANCE_MAX_SLIDER, value=min(primary.guidance(), GUIDANCE_MAX_SLIDER),
+                             step=0.5, label="Guidance scale", elem_id="guidance",
+                             visible=primary.guidance_trained, interactive=primary.guidance_trained)
+        sample_seed = gr.Number(0, precision=0, label="Sample seed")
+    with gr.Tab("Samples"):
+        sample_btn = gr.Button("Sample", variant="primary", elem_id="sample-btn")
+        with gr.Row():
+            masked = gr.Image(label="Masked input", interactive=False, elem_id="masked", scale=1)
+            gallery = gr.Gallery(label="Samples", columns=4, elem_id="samples", scale=3)
+    with gr.Tab("Side by side"):
+        kinds = ["two ratios"] + (["two bundles"] if session.compare_pipe is not None else [])
+        kind = gr.Radio(kinds, value="two ratios", label="Compare")
+        with gr.Row():
+            ratio_a = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Ratio A")
+            ratio_b = gr.Slider(0.0, 0.95, value=0.7, step=0.05, label="Ratio B (or the mask above for bundles)")
+        compare_btn = gr.Button("Compare", elem_id="compare-btn")
+        with gr.Row():
+            masked_a = gr.Image(label="A: masked", interactive=False, scale=1)
+            gallery_a = gr.Gallery(label="A: samples", columns=4, scale=3, elem_id="samples-a")
+        with gr.Row():
+            masked_b = gr.Image(label="B: masked", interactive=False, scale=1)
+            gallery_b = gr.Gallery(label="B: samples", columns=4, scale=3, elem_id="samples-b")
+
+    def sample(path, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, sample_seed_):
+        view = session.view(path)
+        keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_)
+        shown, samples = session.run(primary, view, keep, n, steps_, guidance_, sample_seed_)
+        return shown, samples, f"{len(samples)} samples from {int(keep.sum())}/{keep.size} kept patches"
+
+    def side_by_side(path, kind_, ra, rb, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, s):
+        if kind_ == "two bundles":
+            if session.compare_pipe is None:
+                raise gr.Error("Start the app with --compare-bundle/--compare-decoder to compare bundles.")
+            outs = []
+            for pipe in (primary, session.compare_pipe):
+                view = session.view(path, pipe)
+                keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_, grid=pipe.encoder.grid)
+                outs += session.run(pipe, view, keep, n, steps_, guidance_, s)
+            return (*outs, f"A: {primary.name}, B: {session.compare_pipe.name}")
+        view = session.view(path)
+        outs = []
+        for r in (ra, rb):
+            outs += session.run(primary, view, session.keep_bitmap("random", r, seed_, focal_, None),
+                                n, steps_, guidance_, s)
+        return (*outs, f"A: ratio {ra:.2f}, B: ratio {rb:.2f}")
+
+    sample_inputs = mask_inputs + [num_samples, steps, guidance, sample_seed]
+    sample_btn.click(sample, sample_inputs, [masked, gallery, status], api_name="sample")
+    compare_btn.click(side_by_side, [mask_inputs[0], kind, ratio_a, ratio_b] + sample_inputs[1:],
+                      [masked_a, gallery_a, masked_b, gallery_b, status], api_name="compare")
+
+
+def build_app(primary: RCDMPipeline | FrozenEncoder, compare: RCDMPipeline | None = None, *,
+              examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
+    """The app on a decoder (an ``RCDMPipeline``), or on a bundle's encoder alone: no sampling (module docstring)."""
+    pipe = primary if isinstance(primary, RCDMPipeline) else None
+    if compare is not None and pipe is None:
+        raise ValueError("comparing decoders needs a decoder for the primary bundle too")
+    encoder = pipe.encoder if pipe is not None else primary
+    session = Session(encoder, pipe, compare)
+    if pipe is not None:
+        about = decoder_summary(pipe)
+        if compare is not None:
+            about += f"  \nComparison bundle {compare.name}: {decoder_summary(compare)}"
+        intro = ("An RCDM diffusion decoder samples images from the frozen embedding of "
+                 f"bundle `{encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
+                 "is what the representation encodes.")
+    else:
+        about = NO_DECODER
+        intro = (f"Mask patches of an image as bundle `{encoder.model_id}` sees it, and find what the embedding of "
+                 "the kept patches is nearest to in an `msn-serve` index.")
     with gr.Blocks(title="MSN + RCDM: what the representation keeps", analytics_enabled=False) as demo:
-        with gr.Tab("RCDM: what the representation keeps", elem_id="tab-rcdm"):
-            gr.Markdown(
-                "## What does the MSN representation keep?\n"
-                "An RCDM diffusion decoder samples images from the frozen embedding of "
-                f"bundle `{primary.encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
-                "is what the representation encodes."
-            )
+        with gr.Tab("RCDM: what the representation keeps" if pipe else "What the representation keeps",
+                    elem_id="tab-rcdm"):
+            gr.Markdown(f"## What does the MSN representation keep?\n{intro}")
             gr.Markdown(about, elem_id="decoder-info")
             clicked = gr.State(None)
             with gr.Row():
@@ -194,32 +270,11 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
                     ratio = gr.Slider(0.0, 0.95, value=0.5, step=0.05, label="Mask ratio (random)", elem_id="ratio")
                     mask_seed = gr.Number(0, precision=0, label="Mask seed", elem_id="mask-seed")
                     focal = gr.Slider(0.1, 1.0, value=0.5, step=0.05, label="Focal block side (fraction of the grid)")
-            with gr.Row():
-                num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples")
-                steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
-                guidance = gr.Slider(0.0, GUIDANCE_MAX_SLIDER, value=min(primary.guidance(), GUIDANCE_MAX_SLIDER),
-                                     step=0.5, label="Guidance scale", elem_id="guidance",
-                                     visible=primary.guidance_trained, interactive=primary.guidance_trained)
-                sample_seed = gr.Number(0, precision=0, label="Sample seed")
             status = gr.Markdown(elem_id="status")
-            with gr.Tab("Samples"):
-                sample_btn = gr.Button("Sample", variant="primary", elem_id="sample-btn")
-                with gr.Row():
-                    masked = gr.Image(label="Masked input", interactive=False, elem_id="masked", scale=1)
-                    gallery = gr.Gallery(label="Samples", columns=4, elem_id="samples", scale=3)
-            with gr.Tab("Side by side"):
-                kinds = ["two ratios"] + (["two bundles"] if compare is not None else [])
-                kind = gr.Radio(kinds, value="two ratios", label="Compare")
-                with gr.Row():
-                    ratio_a = gr.Slider(0.0, 0.95, value=0.0, step=0.05, label="Ratio A")
-                    ratio_b = gr.Slider(0.0, 0.95, value=0.7, step=0.05, label="Ratio B (or the mask above for bundles)")
-                compare_btn = gr.Button("Compare", elem_id="compare-btn")
-                with gr.Row():
-                    masked_a = gr.Image(label="A: masked", interactive=False, scale=1)
-                    gallery_a = gr.Gallery(label="A: samples", columns=4, scale=3, elem_id="samples-a")
-                with gr.Row():
-                    masked_b = gr.Image(label="B: masked", interactive=False, scale=1)
-                    gallery_b = gr.Gallery(label="B: samples", columns=4, scale=3, elem_id="samples-b")
+            mask_inputs = [image, mode, ratio, mask_seed, focal, clicked]
+            if pipe is not None:
+                _sampling_ui(session, pipe, mask_inputs, status)
+            build_neighbours_panel(serve_url, mask_inputs, lambda path, *mask: session.keep_bitmap(*mask))
         with gr.Tab("Labelling", elem_id="tab-labelling"):
             build_label_tab(serve_url)
 
@@ -240,39 +295,11 @@ def build_app(primary: RCDMPipeline, compare: RCDMPipeline | None = None, *,
             keep[row, col] = not keep[row, col]
             return session.grid_picture(view, keep), keep, "click", kept_status(keep, None)
 
-        def sample(path, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, sample_seed_):
-            view = session.view(path)
-            keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_)
-            shown, samples = session.run(primary, view, keep, n, steps_, guidance_, sample_seed_)
-            return shown, samples, f"{len(samples)} samples from {int(keep.sum())}/{keep.size} kept patches"
-
-        def side_by_side(path, kind_, ra, rb, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, s):
-            if kind_ == "two bundles":
-                if session.compare_pipe is None:
-                    raise gr.Error("Start the app with --compare-bundle/--compare-decoder to compare bundles.")
-                outs = []
-                for pipe in (primary, session.compare_pipe):
-                    view = session.view(path, pipe)
-                    keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_, grid=pipe.encoder.grid)
-                    outs += session.run(pipe, view, keep, n, steps_, guidance_, s)
-                return (*outs, f"A: {primary.name}, B: {session.compare_pipe.name}")
-            view = session.view(path)
-            outs = []
-            for r in (ra, rb):
-                outs += session.run(primary, view, session.keep_bitmap("random", r, seed_, focal_, None),
-                                    n, steps_, guidance_, s)
-            return (*outs, f"A: ratio {ra:.2f}, B: ratio {rb:.2f}")
-
-        mask_inputs = [image, mode, ratio, mask_seed, focal, clicked]
         image.change(show_mask, mask_inputs, [grid_img, clicked, status], api_name="load")
         mode.input(show_mask, mask_inputs, [grid_img, clicked, status], api_name="mask")
         for control in (ratio, mask_seed, focal):
             control.input(show_mask, mask_inputs, [grid_img, clicked, status], api_visibility="private")
         grid_img.select(click, mask_inputs, [grid_img, clicked, mode, status], api_name="click")
-        sample_inputs = mask_inputs + [num_samples, steps, guidance, sample_seed]
-        sample_btn.click(sample, sample_inputs, [masked, gallery, status], api_name="sample")
-        compare_btn.click(side_by_side, [image, kind, ratio_a, ratio_b] + sample_inputs[1:],
-                          [masked_a, gallery_a, masked_b, gallery_b, status], api_name="compare")
     return demo
 
 
@@ -310,16 +337,20 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def launch(bundle: str | Path, decoder: str | Path, *, compare: tuple[Path, Path] | None = None,
+def launch(bundle: str | Path, decoder: str | Path | None = None, *, compare: tuple[Path, Path] | None = None,
            host: str = "127.0.0.1", port: int = 7860, device: str = "cpu", concurrency: int = 2,
            block: bool = True, auth: Callable[[str, str], bool] | None = None,
            serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
-    """Load the pipelines, write the examples, start the server (``block=False`` returns once it listens).
-    ``auth`` (see :func:`password_check`) puts a login page in front of the app and its API."""
+    """Load the pipelines (the bundle's encoder alone without ``decoder``), write the examples, start the server
+    (``block=False`` returns once it listens). ``auth`` (see :func:`password_check`) puts a login page in front of
+    the app and its API."""
     if auth is None and not _is_loopback(host):
         log.warning("msn-visualize app is listening on %s without a login: anyone who can reach it can use it "
                     "(--auth-file or --api-key-file adds one)", host)
-    primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
+    if decoder is None:
+        log.info("no --decoder: the app offers masks and nearest neighbours, no sampling")
+    primary = (RCDMPipeline.from_dirs(bundle, decoder, device=device) if decoder is not None
+               else FrozenEncoder(bundle, device=device))
     second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
     examples_dir = Path(tempfile.gettempdir()) / f"msn-visualize-examples-{os.getuid()}"  # reused across launches
     demo = build_app(primary, second, examples=example_images(examples_dir), serve_url=serve_url)

@@ -1,21 +1,26 @@
 """``msn-visualize``: train an RCDM decoder on a bundle, sample from a masked image, or start the Gradio app.
 
     msn-visualize train  --bundle B --data fashion-mnist --config configs/rcdm_fmnist_32.yaml --output-dir runs/rcdm
+    msn-visualize train  --bundle B --data photos/ --output-dir runs/rcdm   # your own images: a flat folder will do
     msn-visualize sample --bundle B --decoder runs/rcdm --image shoe.png --mask-ratio 0.7 --num-samples 8 --out grid.png
     msn-visualize sample ... --mask '{"ratio": 0.7, "seed": 1}'   # any /embed mask specification
     msn-visualize app    --bundle B --decoder runs/rcdm --port 7860
+    msn-visualize app    --bundle B --serve-url http://127.0.0.1:8000    # no decoder: masks and nearest neighbours
     msn-visualize app    ... --host 0.0.0.0 --api-key-file key.txt     # outside localhost: require a login
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from msn_core.optional import missing
 
 __all__ = ["main"]
 
@@ -28,8 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a decoder conditioned on a bundle's frozen features")
     train.add_argument("--bundle", type=Path, required=True)
     train.add_argument("--config", type=Path, help="YAML config (configs/rcdm_*.yaml)")
-    train.add_argument("--data", help="dataset source: fashion-mnist | image_folder | synthetic (config data.source)")
-    train.add_argument("--data-root", help="image folder root (config data.root)")
+    train.add_argument("--data", metavar="DIR|LIST|NAME",
+                       help="your images: a folder (flat, nested or root/<class>/...; labels optional), a file list "
+                            "or a pattern (data.source=auto, data.root); or a source name: fashion-mnist | synthetic "
+                            "| folder | image_folder | file_list | glob (with --data-root)")
+    train.add_argument("--data-root", help="the folder, list or pattern of a source named by --data (data.root)")
     train.add_argument("--output-dir", type=Path, required=True)
     train.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                        help="override config keys, e.g. --set optim.max_steps=500 data.batch_size=32 (repeatable)")
@@ -57,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 
     app = sub.add_parser("app", help="start the Gradio app")
     app.add_argument("--bundle", type=Path, required=True)
-    app.add_argument("--decoder", type=Path, required=True)
+    app.add_argument("--decoder", type=Path, help="a decoder run (msn-visualize train); without one the app offers "
+                                                  "masks and nearest neighbours, no sampling")
     app.add_argument("--compare-bundle", type=Path, help="a second bundle for the side-by-side mode")
     app.add_argument("--compare-decoder", type=Path, help="the decoder trained on --compare-bundle")
     app.add_argument("--host", default="127.0.0.1")
@@ -75,16 +84,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _data_overrides(data: str | None, root: str | None) -> list[str]:
+    """``--data``/``--data-root`` as config overrides (``--set`` still wins): a path is pretraining's ``--data DIR``
+    (``auto`` lists it as pretraining does), a source name stays a name."""
+    from msn_core.sources import SOURCES
+
+    out = [f"data.root={json.dumps(os.path.abspath(root))}"] if root else []  # JSON strings are YAML strings
+    if data is None:
+        return out
+    if data in SOURCES and not os.path.exists(data):
+        return [f"data.source={data}", *out]
+    if not os.path.exists(data) and not glob.has_magic(data):
+        raise FileNotFoundError(f"--data {data}: no such folder or file list, and not a source ({', '.join(SOURCES)})")
+    return ["data.source=auto", f"data.root={json.dumps(os.path.abspath(data))}"]
+
+
 def _train(args: argparse.Namespace) -> int:
     from training.api import cleanup, init_distributed
     from visualizer.config import ConfigError, load_config
     from visualizer.train import train
 
     overrides = list(args.overrides)
-    if args.data:
-        overrides.insert(0, f"data.source={args.data}")
-    if args.data_root:
-        overrides.insert(0, f"data.root={args.data_root}")
+    try:
+        overrides[:0] = _data_overrides(args.data, args.data_root)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"msn-visualize train: {exc}") from None
     try:
         cfg = load_config(args.config, overrides)
     except (ConfigError, FileNotFoundError) as exc:
@@ -136,6 +160,8 @@ def _app(args: argparse.Namespace) -> int:
 
     if (args.compare_bundle is None) != (args.compare_decoder is None):
         raise SystemExit("msn-visualize app: --compare-bundle and --compare-decoder go together")
+    if args.compare_bundle is not None and args.decoder is None:
+        raise SystemExit("msn-visualize app: comparing decoders needs --decoder too")
     try:
         auth = password_check(args.auth_file, args.api_key_file)
     except (OSError, ValueError) as exc:
@@ -146,8 +172,15 @@ def _app(args: argparse.Namespace) -> int:
     return 0
 
 
+# What each command imports first that a partial install may lack (the registry names the extra that brings it).
+NEEDS = {"train": ("torch", "diffusers"), "sample": ("torch", "diffusers"), "app": ("torch", "diffusers", "gradio")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for module in NEEDS[args.command]:
+        if problem := missing(module, f"msn-visualize {args.command}"):
+            raise SystemExit(f"msn-visualize: {problem}")
     return {"train": _train, "sample": _sample, "app": _app}[args.command](args)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from msn_core.sources import FILE_SOURCES, SOURCES
 from training.api import ConfigError, build_dataclass, read_raw_config
 
 __all__ = ["MAX_GUIDANCE", "ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
@@ -49,8 +50,13 @@ class DiffusionConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "fashion-mnist"  # fashion-mnist | image_folder | synthetic
+    # fashion-mnist | synthetic, or images on disk under root: auto (what --data DIR sets) | folder | image_folder |
+    # file_list | glob, listed as pretraining lists them (msn_core.sources); labels are optional
+    source: str = "fashion-mnist"
     root: str | None = None
+    # images held out of training for the quality figure when the source has no val/test split (at most a tenth
+    # of it; visualizer.data); 0 trains on every image
+    holdout_images: int = 50
     load_size: int | None = None  # decode size; None: max(decoder size, encoder resize)
     batch_size: int = 64  # per process
     num_workers: int = 1
@@ -143,10 +149,12 @@ def validate(cfg: RCDMConfig) -> None:
         raise ConfigError("cond: need 0 <= mask_ratio_min <= mask_ratio_max < 1 and mask_prob in [0, 1]")
     if c.backend not in ("torch", "onnx"):
         raise ConfigError(f"cond.backend={c.backend!r}: expected torch or onnx")
-    if cfg.data.source not in ("fashion-mnist", "image_folder", "synthetic"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: expected fashion-mnist, image_folder or synthetic")
-    if cfg.data.source == "image_folder" and not cfg.data.root:
-        raise ConfigError("data.root is required when data.source=image_folder (--data-root DIR)")
+    if cfg.data.source not in SOURCES:
+        raise ConfigError(f"data.source={cfg.data.source!r}: expected {', '.join(SOURCES)}")
+    if cfg.data.source in FILE_SOURCES and not cfg.data.root:
+        raise ConfigError(f"data.root is required when data.source={cfg.data.source} (on the command line: --data DIR)")
+    if cfg.data.holdout_images < 0:
+        raise ConfigError(f"data.holdout_images={cfg.data.holdout_images}: expected 0 (hold none out) or more images")
     if cfg.run.precision not in ("auto", "fp32", "bf16") or cfg.run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("run.precision must be auto|fp32|bf16 and run.device auto|cpu|cuda")
     if cfg.optim.max_minutes is not None and cfg.optim.max_minutes <= 0:

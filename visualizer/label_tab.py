@@ -1,40 +1,47 @@
 """The labelling tab: from an image folder to a classifier with few labels, through a running ``msn-serve``.
 
 The tab never embeds or fits anything itself: it sends the folder's images to ``POST /index/{name}/add`` (the
-service embeds them; the id of an image is its position in the sorted file list, its metadata the relative path),
+service embeds them; the id of an image is its position in the folder's listing, its metadata the relative path),
 asks ``/index/{name}/select`` what to label first, records the class a person clicks for each shown image, fits with
 ``POST /fewshot/fit`` from the stored ids, shows ``/fewshot/{name}/predict_index`` least certain first and asks
-``/fewshot/{name}/suggest`` for the next images. So what a person does here is what a script does with curl.
+``/fewshot/{name}/suggest`` for the next images, all through :class:`msn_serve.client.Client` (its retries
+included). So what a person does here is what a script does with the client.
 :class:`LabelSession` holds that logic (testable without a browser); :func:`build_label_tab` is the UI.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import httpx
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+from msn_core.sources import IMAGE_EXTENSIONS, SourceError, SourceListing, list_images
+from msn_serve.client import Client, IndexPage, NotFoundError
+from visualizer.service import service_client
+
 BATCH = 32  # images per /index/add request (well under the service's max_images_per_request)
 MAX_FOLDER = 20_000  # images one tab embeds; a larger corpus belongs to msn-embed + msn-index build
+TIMEOUT_S = 300.0  # one request: a batch of 32 images embedded on a busy CPU, or a fit
 
 
-def folder_images(folder: str | Path) -> list[Path]:
+def folder_images(folder: str | Path) -> SourceListing:
+    """The folder's images as training and ``msn-embed`` list them (:func:`msn_core.sources.list_images`: every
+    depth, hidden files skipped, the same extensions, the same order)."""
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise gr.Error(f"Not a folder: {folder}")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise gr.Error(f"No images ({', '.join(IMAGE_SUFFIXES)}) under {folder}")
-    if len(files) > MAX_FOLDER:
-        raise gr.Error(f"{len(files)} images: the tab embeds at most {MAX_FOLDER}; index larger folders with "
+    try:
+        listing = list_images("folder", root)
+    except SourceError:
+        raise gr.Error(f"No images ({', '.join(IMAGE_EXTENSIONS)}) under {folder}") from None
+    if len(listing) > MAX_FOLDER:
+        raise gr.Error(f"{len(listing)} images: the tab embeds at most {MAX_FOLDER}; index larger folders with "
                        "msn-embed + msn-index build")
-    return files
+    return listing
 
 
 def parse_classes(text: str) -> list[str]:
@@ -58,56 +65,42 @@ class LabelSession:
     queue: list[int] = field(default_factory=list)  # ids shown for labelling, in order
     position: int = 0
 
-    def _call(self, path: str, body: dict[str, Any] | None = None, *, files: Any = None,
-              method: str = "POST", ok: tuple[int, ...] = ()) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        try:
-            with httpx.Client(base_url=self.url.rstrip("/"), timeout=300, headers=headers) as client:
-                if method != "POST":
-                    r = client.request(method, path)
-                else:
-                    r = client.post(path, json=body) if files is None else client.post(path, data=body, files=files)
-        except httpx.HTTPError as exc:
-            raise gr.Error(f"Cannot reach msn-serve at {self.url}: {exc}") from None
-        if r.status_code in ok:
-            return {}
-        if r.status_code >= 400:
-            try:
-                message = r.json().get("error", r.text)
-            except ValueError:
-                message = r.text
-            raise gr.Error(f"msn-serve {path}: {r.status_code} {message}")
-        return r.json()
+    def _client(self) -> AbstractContextManager[Client]:
+        return service_client(self.url, self.api_key, TIMEOUT_S)
 
     def embed_folder(self, folder: str, progress: Callable[[float, str], None] = lambda f, d: None) -> str:
-        files = folder_images(folder)
-        self.root, self.files = str(Path(folder).expanduser().resolve()), [str(p) for p in files]
+        listing = folder_images(folder)
+        files, names = listing.files, listing.names
+        self.root, self.files = str(Path(folder).expanduser().resolve()), list(files)
         self.labels, self.queue, self.position = {}, [], 0
         # one index (and classifier) per folder; embedded afresh, so no stale ids of an older embedding remain
         self.index = self.classifier = "label-" + hashlib.sha1(self.root.encode()).hexdigest()[:12]
-        self._call(f"/index/{self.index}", method="DELETE", ok=(404,))
-        for start in range(0, len(files), BATCH):
-            chunk = list(range(start, min(len(files), start + BATCH)))
-            progress(start / len(files), f"embedding {start}/{len(files)}")
-            uploads = [("images", (files[i].name, files[i].read_bytes())) for i in chunk]
-            meta = [{"file": str(files[i].relative_to(self.root))} for i in chunk]
-            self._call(f"/index/{self.index}/add", {"ids": json.dumps(chunk), "metadata": json.dumps(meta)},
-                       files=uploads)
+        with self._client() as client:
+            try:
+                client.indexes.delete(self.index)
+            except NotFoundError:
+                pass
+            for start in range(0, len(files), BATCH):
+                chunk = list(range(start, min(len(files), start + BATCH)))
+                progress(start / len(files), f"embedding {start}/{len(files)}")
+                meta = [{"file": names[i]} for i in chunk]
+                client.indexes.add(self.index, chunk, images=[files[i] for i in chunk], metadata=meta)
         progress(1.0, "done")
         return f"Embedded {len(files)} images into index `{self.index}` at {self.url}."
 
     def select(self, n: int, seed: int = 0) -> list[int]:
-        out = self._call(f"/index/{self.index}/select", {"n": int(n), "seed": int(seed),
-                                                          "exclude_ids": sorted(self.labels)})
-        self.queue, self.position = list(out["ids"]), 0
+        with self._client() as client:
+            picked = client.indexes.select(self.index, n=int(n), seed=int(seed), exclude_ids=sorted(self.labels))
+        self.queue, self.position = picked.ids.tolist(), 0
         return self.queue
 
     def suggest(self, n: int) -> list[int]:
         if self.classifier_ready() is False:
             raise gr.Error("Fit a classifier first (label images of at least two classes, then Fit).")
-        out = self._call(f"/fewshot/{self.classifier}/suggest", {"index": self.index, "n": int(n),
-                                                                  "exclude_ids": sorted(self.labels)})
-        self.queue, self.position = list(out["ids"]), 0
+        with self._client() as client:
+            picked = client.classifiers.suggest(self.classifier, self.index, n=int(n),
+                                                exclude_ids=sorted(self.labels))
+        self.queue, self.position = picked.ids.tolist(), 0
         return self.queue
 
     def classifier_ready(self) -> bool:
@@ -127,12 +120,14 @@ class LabelSession:
         if not self.classifier_ready():
             raise gr.Error("Label images of at least two classes before fitting.")
         ids = sorted(self.labels)
-        return self._call("/fewshot/fit", {"name": self.classifier, "index": self.index, "ids": ids,
-                                           "labels": [self.labels[i] for i in ids], "overwrite": True})
+        with self._client() as client:
+            return client.classifiers.fit(self.classifier, [self.labels[i] for i in ids], index=self.index, ids=ids,
+                                          overwrite=True)
 
-    def predictions(self, limit: int) -> dict[str, Any]:
-        return self._call(f"/fewshot/{self.classifier}/predict_index",
-                          {"index": self.index, "limit": int(limit), "k": 1, "order": "uncertain"})
+    def predictions(self, limit: int) -> IndexPage:
+        with self._client() as client:
+            return client.classifiers.predict_index(self.classifier, self.index, limit=int(limit), k=1,
+                                                    order="uncertain")
 
     def path(self, item: int) -> str:
         return self.files[item]
@@ -204,10 +199,10 @@ def build_label_tab(default_url: str = "http://127.0.0.1:8000") -> None:
     def fit(state_: LabelSession):
         info = state_.fit()
         page = state_.predictions(48)
-        shown = [(str(Path(state_.root) / it["metadata"]["file"]), f"{it['label']} ({it['probability']:.2f})")
-                 for it in page["items"] if "metadata" in it]
-        counts = ", ".join(f"{k}: {v}" for k, v in page["class_counts"].items())
-        return state_, shown, _status(state_, f"Fitted on {info['n']} labels; predicted over {page['total']} "
+        shown = [(str(Path(state_.root) / it.metadata["file"]), f"{it.label} ({it.probability:.2f})")
+                 for it in page.items if it.metadata]
+        counts = ", ".join(f"{k}: {v}" for k, v in page.class_counts.items())
+        return state_, shown, _status(state_, f"Fitted on {info['n']} labels; predicted over {page.total} "
                                               f"images: {counts}.")
 
     embed_btn.click(embed, [state, folder, url, key, classes], [state, status, choice], api_name="label_embed")

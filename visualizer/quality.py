@@ -1,11 +1,17 @@
-"""A cheap quality figure for a decoder at the end of its training: class consistency of its samples.
+"""Cheap quality figures for a decoder at the end of its training: class consistency and feature similarity.
 
-The protocol of ``benchmarks/evaluation/rcdm_eval.py`` at a smaller size, so that every run (and the app showing it) carries
-one number: a low-shot logistic classifier on the bundle's features (:func:`msn_core.lowshot.fit_logistic`, fitted
-on up to ``LABELLED_PER_CLASS`` labelled training images per class) predicts the class of one sample per held-out
-image, conditioned on that image's unmasked embedding; the figure is the fraction equal to the conditioning image's
-class (chance: 1 / classes). The classifier's accuracy on the held-out originals is its ceiling. Sampling uses the
-run's own sampler and step count at guidance 1 (pure conditional), as the app does by default.
+Class consistency is the protocol of ``benchmarks/evaluation/rcdm_eval.py`` at a smaller size, so that every run
+(and the app showing it) carries one number: a low-shot logistic classifier on the bundle's features
+(:func:`msn_core.lowshot.fit_logistic`, fitted on up to ``LABELLED_PER_CLASS`` labelled training images per class)
+predicts the class of one sample per held-out image, conditioned on that image's unmasked embedding; the figure is
+the fraction equal to the conditioning image's class (chance: 1 / classes). The classifier's accuracy on the
+held-out originals is its ceiling. It needs labels: on unlabelled images (a flat folder) it is ``None`` with a
+``class_consistency_reason``, and the log says so, rather than a zero that reads as a bad decoder.
+
+Feature similarity needs no labels: the mean cosine between a sample's embedding and its conditioning image's, beside
+the same with another held-out image's (``feature_similarity_other``, the level a decoder that ignores its
+condition reaches). Held-out images come from :mod:`visualizer.data`. Sampling uses the run's own sampler and step
+count at guidance 1 (pure conditional), as the app does by default.
 
 Everything torch does happens before cyanure fits (cyanure's OpenMP runtime can slow torch's later work in the same
 process), and the global RNG streams are left untouched so that a resumed run stays bit-exact.
@@ -19,14 +25,15 @@ import time
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from msn_core.lowshot import fit_logistic
-from training.api import build_dataset
 from visualizer.config import RCDMConfig
+from visualizer.data import DecoderData
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, to_uint8
 
-__all__ = ["LABELLED_PER_CLASS", "class_consistency", "describe"]
+__all__ = ["LABELLED_PER_CLASS", "describe", "measure_quality"]
 
 log = logging.getLogger("msn.visualize")
 LABELLED_PER_CLASS = 100  # as rcdm_eval.py's default
@@ -51,33 +58,44 @@ def _embed(encoder: FrozenEncoder, images: torch.Tensor) -> np.ndarray:
     return torch.cat([encoder.embed(images[i:i + 256]) for i in range(0, len(images), 256)]).cpu().numpy()
 
 
-def class_consistency(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEncoder, cfg: RCDMConfig, *,
-                      load_size: int, step: int) -> dict | None:
-    """The figure as a dict (see the module docstring), or ``None`` when ``run.quality_images`` is 0 or the data
-    has fewer than two classes."""
-    images_wanted = cfg.run.quality_images
-    if images_wanted <= 0:
+def _picks(data: DecoderData, wanted: int, rng: np.random.Generator) -> tuple[Dataset, np.ndarray, np.ndarray]:
+    """``(held, chosen, labelled)``: the held-out dataset, the indices sampled from it and (labelled data only) the
+    training indices the classifier fits on; without a held-out set, training images the classifier does not see."""
+    held = data.held_out if data.held_out is not None else data.train
+    none = np.array([], dtype=np.int64)
+    if not data.labelled:
+        return held, np.sort(rng.permutation(len(held))[:wanted]), none
+    train_labels = np.asarray(data.train.labels)
+    per_class = max(1, min(LABELLED_PER_CLASS, MAX_LABELLED // len(np.unique(train_labels))))
+    labelled = _balanced(train_labels, per_class, rng, none)
+    held_labels = np.asarray(held.labels)
+    per_held = -(-wanted // len(np.unique(held_labels)))
+    chosen = _balanced(held_labels, per_held, rng, labelled if held is data.train else none)[:wanted]
+    return held, chosen, labelled
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return round(float(np.mean(np.sum(a * b, axis=1))), 4)
+
+
+def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEncoder, cfg: RCDMConfig,
+                    data: DecoderData, *, step: int) -> dict | None:
+    """The figures as a dict (see the module docstring), or ``None`` when ``run.quality_images`` is 0."""
+    if cfg.run.quality_images <= 0:
         return None
     started = time.perf_counter()
-    data = cfg.data
-    train = build_dataset(data.source, root=data.root, split="train", load_size=load_size,
-                          synthetic_size=data.synthetic_size, seed=cfg.run.seed)
-    train_labels = np.asarray(train.labels)
-    classes = np.unique(train_labels)
-    if len(classes) < 2:
-        return None
     rng = np.random.default_rng(cfg.run.seed)
-    per_class = max(1, min(LABELLED_PER_CLASS, MAX_LABELLED // len(classes)))
-    labelled = _balanced(train_labels, per_class, rng, np.array([], dtype=np.int64))
-    try:  # held-out images; without a held-out split, training images the classifier does not see
-        held_out = build_dataset(data.source, root=data.root, split="val" if data.source == "image_folder" else "test",
-                                 load_size=load_size, synthetic_size=data.synthetic_size, seed=cfg.run.seed)
-        exclude = np.array([], dtype=np.int64)
-    except (FileNotFoundError, ValueError):
-        held_out, exclude = train, labelled
-    held_labels = np.asarray(held_out.labels)
-    per_held = -(-images_wanted // len(np.unique(held_labels)))
-    chosen = _balanced(held_labels, per_held, rng, exclude)[:images_wanted]
+    held, chosen, labelled = _picks(data, cfg.run.quality_images, rng)
+    train_labels = np.asarray(data.train.labels) if data.labelled else None
+    classes = np.unique(train_labels) if train_labels is not None else np.array([])
+    reason = None
+    if train_labels is None:
+        which = "training" if getattr(data.train, "labels", None) is None else "held-out"
+        reason = f"no labels: the {which} images have none, and class consistency needs them"
+    elif len(classes) < 2:
+        reason = "one class only: class consistency needs two or more"
     if len(chosen) == 0:
         return None
 
@@ -86,9 +104,8 @@ def class_consistency(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenE
     devices = [encoder.device] if encoder.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         generator = torch.Generator().manual_seed(cfg.run.seed)
-        labelled_feats = _embed(encoder, _stack(train, labelled))
-        originals = _stack(held_out, chosen)
-        cond = encoder.embed(originals)
+        labelled_feats = _embed(encoder, _stack(data.train, labelled)) if reason is None else None
+        cond = encoder.embed(_stack(held, chosen))
         samples = torch.cat([
             to_uint8(diffusion.sample(decoder, chunk, image_size=cfg.model.image_size, guidance_scale=1.0,
                                       generator=generator))
@@ -96,25 +113,38 @@ def class_consistency(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenE
         sample_feats = _embed(encoder, samples)
         original_feats = cond.cpu().numpy()
     decoder.train(was_training)
-    classifier = fit_logistic(labelled_feats, train_labels[labelled])  # after every torch call (module docstring)
-    truth = held_labels[chosen]
-    figure = {
-        "class_consistency": round(float(np.mean(classifier.predict(sample_feats) == truth)), 4),
-        "classifier_accuracy": round(float(np.mean(classifier.predict(original_feats) == truth)), 4),
-        "chance": round(1.0 / len(classes), 4),
-        "images": len(chosen), "labelled_images": len(labelled), "mask_ratio": 0.0,
+    figure: dict = {"class_consistency": None, "class_consistency_reason": reason}
+    if reason is None:
+        classifier = fit_logistic(labelled_feats, train_labels[labelled])  # after every torch call (docstring)
+        truth = np.asarray(held.labels)[chosen]
+        figure = {
+            "class_consistency": round(float(np.mean(classifier.predict(sample_feats) == truth)), 4),
+            "classifier_accuracy": round(float(np.mean(classifier.predict(original_feats) == truth)), 4),
+            "chance": round(1.0 / len(classes), 4), "labelled_images": len(labelled)}
+    figure.update({
+        "feature_similarity": _cosine(sample_feats, original_feats),
+        "feature_similarity_other": _cosine(sample_feats, np.roll(original_feats, 1, axis=0))
+        if len(chosen) > 1 else None,
+        "images": len(chosen), "held_out": data.held_out_from, "mask_ratio": 0.0,
         "sampler": cfg.diffusion.sampler, "sample_steps": cfg.diffusion.sample_steps, "step": int(step),
         "seconds": round(time.perf_counter() - started, 1),
-    }
-    log.info("decoder quality at step %d: class consistency %.3f (classifier on originals %.3f, chance %.3f)",
-             step, figure["class_consistency"], figure["classifier_accuracy"], figure["chance"])
+    })
+    log.info("decoder quality at step %d: %s", step, describe(figure))
     return figure
 
 
 def describe(quality: dict | None) -> str:
-    """One line for people: the figure, what it was measured on, or ``not measured``."""
+    """One line for people: the figures and what they were measured on, or ``quality not measured``."""
     if not quality:
         return "quality not measured"
-    return (f"class consistency {quality['class_consistency']:.2f} at step {quality['step']} "
-            f"(one sample each for {quality['images']} held-out images, unmasked; the classifier scores "
-            f"{quality['classifier_accuracy']:.2f} on the originals, chance {quality['chance']:.2f})")
+    on = f"one sample each for {quality['images']} held-out images, unmasked, at step {quality['step']}"
+    if quality.get("class_consistency") is None:
+        text = f"class consistency not measured ({quality.get('class_consistency_reason')}; {on})"
+    else:
+        text = (f"class consistency {quality['class_consistency']:.2f} ({on}; the classifier scores "
+                f"{quality['classifier_accuracy']:.2f} on the originals, chance {quality['chance']:.2f})")
+    if quality.get("feature_similarity") is not None:
+        other = quality.get("feature_similarity_other")
+        text += (f"; feature similarity {quality['feature_similarity']:.2f} to the conditioning image"
+                 + (f" vs {other:.2f} to another" if other is not None else ""))
+    return text

@@ -1,6 +1,7 @@
 """Train an RCDM decoder on a frozen MSN bundle.
 
     msn-visualize train --bundle B --data fashion-mnist --config configs/rcdm_fmnist_32.yaml --output-dir runs/rcdm
+    msn-visualize train --bundle B --data photos/ --output-dir runs/rcdm    # your own images, flat or not, no labels
     torchrun --nproc_per_node=N -m visualizer.cli train ...      # DDP, one process per GPU (gloo on CPU)
 
 Per step: decode a batch, flip it (the same flip for both views), embed it with the frozen encoder (masked at a
@@ -12,7 +13,9 @@ position in the epoch and every rank's RNG streams).
 The checkpoint also says what the decoder can be asked for: ``cond_drop_prob``, the smallest condition-dropout
 probability any of its steps trained with (0 for checkpoints written before it was recorded: without an unconditional
 branch, classifier-free guidance has nothing to guide with, so the app fixes guidance at 1), and ``quality``, the
-class consistency measured at the end of the last invocation (:mod:`visualizer.quality`; also in ``metrics.jsonl``).
+figures measured on held-out images at the end of the last invocation (:mod:`visualizer.quality`, also in
+``metrics.jsonl``; class consistency is ``None`` with its reason where the images have no labels). Which images are
+held out: :mod:`visualizer.data`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from training.api import (
     autocast_factory,
     barrier,
     batches_from,
-    build_dataset,
     build_loader,
     ema_update,
     eval_transform,
@@ -45,11 +47,12 @@ from training.api import (
     save_progress,
 )
 from visualizer.config import RCDMConfig, dump_config
+from visualizer.data import DecoderData, decoder_data
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, random_keep, to_uint8
 from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
-from visualizer.quality import class_consistency
+from visualizer.quality import measure_quality
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
 __all__ = ["decoder_targets", "train"]
@@ -64,16 +67,13 @@ def decoder_targets(images_uint8: torch.Tensor, size: int, channels: int = 3) ->
     return targets.mean(dim=1, keepdim=True) if channels == 1 else targets
 
 
-def _grid_batch(cfg: RCDMConfig, load_size: int) -> torch.Tensor:
-    """Fixed conditioning images for the sample grids: spread over the held-out split (or the train split)."""
-    split = "val" if cfg.data.source == "image_folder" else "test"
-    try:
-        data = build_dataset(cfg.data.source, root=cfg.data.root, split=split, load_size=load_size,
-                             synthetic_size=max(cfg.run.grid_images, 16))
-    except (FileNotFoundError, ValueError):
-        data = build_dataset(cfg.data.source, root=cfg.data.root, split="train", load_size=load_size)
-    picks = torch.linspace(0, len(data) - 1, cfg.run.grid_images).round().long().tolist()
-    return torch.stack([data[i][0] for i in picks])
+def _grid_batch(cfg: RCDMConfig, data: DecoderData) -> torch.Tensor:
+    """Fixed conditioning images for the sample grids: spread over the held-out images when there are enough of
+    them (else over the training images)."""
+    held = data.held_out
+    images = held if held is not None and len(held) >= cfg.run.grid_images else data.train
+    picks = torch.linspace(0, len(images) - 1, cfg.run.grid_images).round().long().tolist()
+    return torch.stack([images[i][0] for i in picks])
 
 
 def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEncoder,
@@ -126,8 +126,8 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
 
     encoder = FrozenEncoder(bundle, backend=cfg.cond.backend, device=device)
     load_size = cfg.data.load_size or max(cfg.model.image_size, int(encoder.transform["resize"]))
-    dataset = build_dataset(cfg.data.source, root=cfg.data.root, split="train", load_size=load_size,
-                            synthetic_size=cfg.data.synthetic_size, seed=cfg.run.seed)
+    data = decoder_data(cfg, load_size)  # training images, and held-out ones (a slice of a split-less folder)
+    dataset = data.train
     loader, sampler = build_loader(dataset, batch_size=cfg.data.batch_size, num_workers=cfg.data.num_workers,
                                    rank=info.rank, world_size=info.world_size, seed=cfg.run.seed,
                                    pin_memory=device.type == "cuda")
@@ -164,7 +164,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         model = DistributedDataParallel(decoder, device_ids=[device.index] if device.type == "cuda" else None)
     precision = resolve_precision(cfg.run.precision, device)  # auto: bf16 where native (GPU, AMX/AVX512-BF16 CPU)
     autocast = autocast_factory(precision, device)
-    grid_images = _grid_batch(cfg, load_size) if is_main else None
+    grid_images = _grid_batch(cfg, data) if is_main else None
     total = cfg.optim.max_steps
     bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True,
                disable=not (is_main and cfg.run.progress_bar))
@@ -232,7 +232,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
             grid = output_dir / "samples" / f"step_{step:06d}.png"
             write_sample_grid(grid, ema, diffusion, encoder, grid_images, cfg)
         if is_main and step == total:
-            measured = class_consistency(ema, diffusion, encoder, cfg, load_size=load_size, step=step)
+            measured = measure_quality(ema, diffusion, encoder, cfg, data, step=step)
             if measured is not None:
                 quality = measured
                 with open(output_dir / "metrics.jsonl", "a") as f:

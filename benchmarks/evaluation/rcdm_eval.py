@@ -36,7 +36,6 @@ from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
 from training.masking import random_keep_idx
 from visualizer.config import load_config
-from visualizer.pipeline import RCDMPipeline, load_run
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
 RATIOS = (0.0, 0.5, 0.7, 0.9)
@@ -87,6 +86,7 @@ def random_bundle(msn_bundle: Path, out: Path, seed: int) -> Path:
 
 def ensure_decoder(run: Path, bundle: Path, args: argparse.Namespace) -> Path:
     """Train (or finish training) a decoder at ``run`` unless a finished one is there."""
+    from visualizer.pipeline import load_run  # diffusers: imported when used, so the parser builds in a blink
     from visualizer.train import train
 
     overrides = [f"data.source={args.data}"] + ([f"data.root={args.data_root}"] if args.data_root else [])
@@ -116,6 +116,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
+    from visualizer.pipeline import RCDMPipeline
+
     started = time.perf_counter()
     work = args.out_dir / "decoders" if args.quick else REPO / "runs" / "rcdm_eval"
     msn_run = args.decoder or ensure_decoder(work / "msn", args.bundle, args)

@@ -21,7 +21,6 @@ from benchmarks.common import REPO, machine, save_json
 from benchmarks.evaluation.rcdm_eval import balanced_indices, images_of
 from training.data import build_dataset
 from training.evaluation.lowshot import fit_logistic
-from visualizer.pipeline import RCDMPipeline
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "rcdm_samplers.json")
     args = parser.parse_args(argv)
+    from visualizer.pipeline import RCDMPipeline  # diffusers: after parsing, so a bad flag fails in a blink
 
     pipe = RCDMPipeline.from_dirs(args.bundle, args.decoder)
     load_size = int(pipe.encoder.transform["resize"])

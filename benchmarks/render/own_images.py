@@ -19,8 +19,8 @@ def _row(name: str, evals: dict, which: str) -> str:
 
 def _used(run: dict, budget_min: float) -> str:
     used = run.get("trainer_budget_seconds_used")
-    own = (f"the trainer counted {used / 60:.2f} min ({100 * used / 60 / budget_min:.1f} %; first plan "
-           f"{run['planned_total_steps']:,} steps, re-planned {run['replans']} times), " if used else "")
+    own = (f"the trainer counted {used / 60:.2f} min ({100 * used / 60 / budget_min:.1f} %; first length "
+           f"{run['planned_total_steps']:,} steps, resized {run['replans']} times), " if used else "")
     return own + f"torchrun's wall clock {run['wall_minutes']:.2f} min (process start and imports included)"
 
 

@@ -118,8 +118,8 @@ def pretrain_step(name: str, command: list[str], run_dir: Path, *, fresh: bool =
 
 
 def trainer_budget(checkpoint: Path) -> dict:
-    """The trainer's own account of its budget (the checkpoint's run length): seconds used, the first plan and how
-    often it re-planned; empty values for a run sized in steps. torchrun's wall clock also counts start-up."""
+    """The trainer's own account of its budget (the checkpoint's run length): seconds used, the first length and how
+    often it was resized (the keys keep the checkpoint's names); empty values for a run sized in steps. torchrun's wall clock also counts start-up."""
     import torch
 
     length = torch.load(checkpoint, map_location="cpu", weights_only=False).get("run_length") or {}

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from msn_core.lowshot import LinearClassifier
+from msn_core.optional import MissingDependency, optional
 from msn_serve.errors import ApiError, busy, unprocessable
 
 log = logging.getLogger("msn_serve.classifiers.fitpool")
@@ -48,10 +49,7 @@ def _worker_main(conn: Any, threads: int) -> None:
         os.nice(NICE)
     except OSError:  # pragma: no cover - not allowed here; run at normal priority
         pass
-    try:
-        import cyanure.estimators  # noqa: F401 - ~1 s to import: paid at start-up, not by the first fit
-    except ImportError:  # pragma: no cover - reported by the fit itself
-        pass
+    optional("cyanure.estimators")  # ~1 s to import: paid at start-up, not by the first fit (which reports a lack)
     try:
         conn.send_bytes(_frame({"ready": True}))  # start-up does not count against a fit's timeout
     except OSError:
@@ -68,7 +66,7 @@ def _worker_main(conn: Any, threads: int) -> None:
             coef = np.ascontiguousarray(model.coef, dtype="<f8")
             reply = _frame({"classes": [str(c) for c in model.classes], "shape": list(coef.shape),
                             "seconds": model.fit_seconds}, coef.tobytes())
-        except (ValueError, ImportError) as e:
+        except (ValueError, MissingDependency) as e:  # no cyanure here: the error says which install has it
             reply = _frame({"error": str(e)})
         try:
             conn.send_bytes(reply)

@@ -201,3 +201,20 @@ class ReadyStatus:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> ReadyStatus:
         return cls(bool(body.get("ready")), body)
+
+
+@dataclass
+class ModelCard:
+    """``/v1/models``: ``id`` is the served name (what ``model=`` takes), ``model_id`` the bundle's model id (what a
+    store records), ``created`` when the bundle's ``msn.json`` was written (Unix seconds)."""
+
+    id: str
+    model_id: str
+    created: int
+    owned_by: str
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ModelCard:
+        return cls(body["id"], body.get("model_id", body["id"]), int(body.get("created", 0)),
+                   body.get("owned_by", ""), body)

@@ -1,50 +1,69 @@
-"""When a request is sent again: a 503 (the server is busy, or a write could not be stored and was rolled back;
-either way nothing was done) is retried after the server's ``Retry-After``, within a bounded number of attempts and
-a bounded total time. Nothing else is retried: any other answer may mean the request did something."""
+"""When a request is sent again, and after how long. A retry must never do a thing twice, so what is retried
+depends on what the failure says about the first send:
+
+- **429 and 503** (busy, starting, a write rolled back): the server did nothing; every call is retried, after the
+  answer's ``Retry-After`` when it has one (a wait over :data:`MAX_RETRY_AFTER_S` is raised at once instead).
+- **No connection** (refused, connect or pool timeout): nothing was sent; every call is retried.
+- **No answer** after sending (reset, read timeout) and **502/504** (a proxy lost the request or its answer):
+  the server may have done it; only idempotent calls are retried (reads, searches, embeddings, upserts by id,
+  deletes, PUTs, fits that overwrite; not creating a store or publishing a snapshot).
+- Anything else is the answer.
+
+Waits without ``Retry-After`` back off exponentially with jitter (as ``openai`` does); a server's ``Retry-After``
+gets up to 20 % added so that clients sent away together do not all come back at once.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
 
-from msn_serve.client.errors import ServiceUnavailable, retry_after_seconds, status_error
+import httpx
+
+from msn_serve.client.errors import APIConnectionError, APIError, APITimeoutError, retry_after_seconds
 from msn_serve.client.wire import Answer, Call
 
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """``max_attempts`` sends at most (1 = never retry); no retry would end later than ``max_total_s`` after the
-    first send; each wait is the server's ``Retry-After`` (``backoff_s * 2**(attempt-1)`` without one), capped at
-    ``max_delay_s``."""
-
-    max_attempts: int = 5
-    max_total_s: float = 30.0
-    max_delay_s: float = 10.0
-    backoff_s: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.max_total_s < 0 or self.max_delay_s < 0 or self.backoff_s < 0:
-            raise ValueError(f"invalid retry policy {self}")
-
-    def delay(self, attempt: int, retry_after: str | None) -> float:
-        """Seconds to wait before the next send after ``attempt`` sends."""
-        wait = retry_after_seconds(retry_after)
-        if wait is None:
-            wait = self.backoff_s * 2 ** (attempt - 1)
-        return min(wait, self.max_delay_s)
+INITIAL_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+MAX_RETRY_AFTER_S = 60.0
+NOTHING_DONE = (429, 503)
+GATEWAY = (502, 504)
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
-NO_RETRY = RetryPolicy(max_attempts=1)
+def backoff(retries_done: int) -> float:
+    """The wait before retry ``retries_done + 1``: 0.5 s doubling up to 8 s, less up to 25 % at random."""
+    return min(INITIAL_BACKOFF_S * 2.0 ** retries_done, MAX_BACKOFF_S) * (1 - 0.25 * random.random())
 
 
-def next_step(policy: RetryPolicy, call: Call, answer: Answer, attempt: int, elapsed: float, url: str) -> float | None:
-    """``None`` when ``answer`` is the call's answer; the seconds to wait when it should be sent again; raises the
-    server's error otherwise (a 503 once the policy allows no more sends, with ``attempts`` set)."""
-    if 200 <= answer.status < 300 or answer.status in call.accept_status:
+def connection_error(exc: httpx.HTTPError, call: Call, url: str) -> APIConnectionError:
+    """The client's error for a request that got no answer."""
+    kind = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
+    return kind(f"{call.method} {url}: {type(exc).__name__}: {exc}")
+
+
+def wait_after_no_answer(call: Call, exc: httpx.HTTPError, retries_done: int, max_retries: int) -> float | None:
+    """Seconds to wait before sending ``call`` again after ``exc``; ``None``: raise."""
+    if not call.retry or retries_done >= max_retries:
         return None
-    err = status_error(answer.status, answer.content, answer.headers, call.method, url)
-    if answer.status == 503 and call.retry and attempt < policy.max_attempts:
-        wait = policy.delay(attempt, answer.headers.get("retry-after"))
-        if elapsed + wait <= policy.max_total_s:
-            return wait
-    if isinstance(err, ServiceUnavailable):
-        err.attempts = attempt
-    raise err
+    if isinstance(exc, NOT_SENT) or call.idempotent:
+        return backoff(retries_done)
+    return None
+
+
+def wait_after_answer(call: Call, answer: Answer, retries_done: int, max_retries: int) -> float | None:
+    """Seconds to wait before sending ``call`` again after a non-success ``answer``; ``None``: raise."""
+    if not call.retry or retries_done >= max_retries:
+        return None
+    if answer.status in NOTHING_DONE:
+        asked = retry_after_seconds(answer.headers.get("retry-after"))
+        if asked is None:
+            return backoff(retries_done)
+        return None if asked > MAX_RETRY_AFTER_S else asked * (1 + 0.2 * random.random())
+    if answer.status in GATEWAY and call.idempotent:
+        return backoff(retries_done)
+    return None
+
+
+def counted(err: APIError, sends: int) -> APIError:
+    """``err`` with the number of times its request was sent."""
+    err.attempts = sends
+    return err

@@ -1,4 +1,5 @@
-"""The synchronous client: one ``httpx.Client`` (a pool of kept-alive connections) per :class:`Client`."""
+"""The synchronous client: one ``httpx.Client`` (a pool of kept-alive connections) per :class:`Client`, and the
+send-and-decide step both clients share."""
 from __future__ import annotations
 
 import json
@@ -7,43 +8,73 @@ from typing import Any, Self
 
 import httpx
 
-from msn_serve.client.api import Endpoints
-from msn_serve.client.errors import TransportError
-from msn_serve.client.retry import RetryPolicy, next_step
+from msn_serve.client.api import BaseClient
+from msn_serve.client.errors import status_error
+from msn_serve.client.options import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    ClientOptions,
+    NotGiven,
+    Timeout,
+    as_timeout,
+)
+from msn_serve.client.retry import connection_error, counted, wait_after_answer, wait_after_no_answer
 from msn_serve.client.wire import Answer, Call
 
 
-def http_options(base_url: str, api_key: str | None, timeout: float | httpx.Timeout | None,
-                 headers: dict[str, str] | None) -> dict[str, Any]:
-    """The ``httpx.Client`` / ``AsyncClient`` arguments both clients share."""
-    hdrs = {"User-Agent": "msn-serve-client", **(headers or {})}
-    if api_key:
-        hdrs["Authorization"] = f"Bearer {api_key}"
-    return {"base_url": base_url.rstrip("/"), "headers": hdrs,
-            "timeout": timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)}
+def request_args(options: ClientOptions, call: Call) -> dict[str, Any]:
+    """The ``httpx`` request of ``call``: absolute URL, the client's headers under the call's, its timeout."""
+    timeout = options.timeout if isinstance(call.timeout, NotGiven) else as_timeout(call.timeout)
+    return {"method": call.method, "url": options.base_url + call.path, "content": call.content,
+            "headers": {**options.headers, **call.headers}, "params": call.params, "timeout": timeout}
+
+
+def next_wait(call: Call, options: ClientOptions, sends: int, response: httpx.Response | None,
+              exc: httpx.RequestError | None) -> float | None:
+    """``None`` when ``response`` is the call's answer; the seconds to wait before sending it again; raises the
+    client's error (with ``attempts``) when the failure is not retried."""
+    url = options.base_url + call.path
+    if exc is not None:
+        wait = wait_after_no_answer(call, exc, sends - 1, options.max_retries)
+        if wait is None:
+            raise counted(connection_error(exc, call, url), sends) from exc
+        return wait
+    assert response is not None
+    answer = answer_of(response)
+    if 200 <= answer.status < 300 or answer.status in call.accept_status:
+        return None
+    wait = wait_after_answer(call, answer, sends - 1, options.max_retries)
+    if wait is None:
+        raise counted(status_error(answer.status, answer.content, answer.headers, call.method, str(response.url)),
+                      sends)
+    return wait
 
 
 def answer_of(r: httpx.Response) -> Answer:
     return Answer(r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content)
 
 
-def parsed(call: Call, answer: Answer) -> Any:
+def parsed(call: Call, r: httpx.Response) -> Any:
+    answer = answer_of(r)
     return call.parse(answer if call.raw else (json.loads(answer.content) if answer.content else None))
 
 
-class Client(Endpoints):
+class Client(BaseClient):
     """``msn-serve``'s API over HTTP. Use as a context manager (or call :meth:`close`) to release the connections.
 
-    ``api_key`` is sent as ``Authorization: Bearer``; ``timeout`` (seconds, or an ``httpx.Timeout``) bounds each
-    send; ``retry`` says how 503s are retried; ``model`` is the default ``model`` of the calls that take one.
+    ``base_url`` and ``api_key`` default to ``$MSN_BASE_URL`` (else ``http://127.0.0.1:8000``) and
+    ``$MSN_API_KEY``; the key is sent as ``Authorization: Bearer``. ``timeout`` (seconds, an ``httpx.Timeout``,
+    or ``None``) bounds each send, ``max_retries`` how often a failed call is sent again (docs/serving.md says
+    which failures), ``model`` is the default ``model`` of the calls that take one; ``http_client`` is used
+    instead of a new ``httpx.Client`` (and left open).
     """
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
-                 timeout: float | httpx.Timeout | None = 60.0, retry: RetryPolicy | None = None,
-                 model: str | None = None, headers: dict[str, str] | None = None, **httpx_options: Any):
-        self.retry = retry or RetryPolicy()
-        self.model = model
-        self._http = httpx.Client(**http_options(base_url, api_key, timeout, headers), **httpx_options)
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: Timeout = DEFAULT_TIMEOUT, max_retries: int = DEFAULT_MAX_RETRIES, model: str | None = None,
+                 default_headers: dict[str, str] | None = None, http_client: httpx.Client | None = None):
+        self._bind(ClientOptions.build(base_url, api_key, timeout, max_retries, model, default_headers))
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.Client()
 
     def __enter__(self) -> Self:
         return self
@@ -52,20 +83,19 @@ class Client(Endpoints):
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        if self._owns_http:
+            self._http.close()
 
     def _do(self, call: Call) -> Any:
-        start, attempt = time.monotonic(), 0
+        sends = 0
         while True:
-            attempt += 1
+            sends += 1
+            response, failure = None, None
             try:
-                r = self._http.request(call.method, call.path, content=call.content, headers=call.headers,
-                                       params=call.params)
-            except httpx.HTTPError as e:
-                raise TransportError(f"{call.method} {self._http.base_url}{call.path}: {type(e).__name__}: {e}") \
-                    from e
-            answer = answer_of(r)
-            wait = next_step(self.retry, call, answer, attempt, time.monotonic() - start, str(r.url))
+                response = self._http.request(**request_args(self.options, call))
+            except httpx.RequestError as e:
+                failure = e
+            wait = next_wait(call, self.options, sends, response, failure)
             if wait is None:
-                return parsed(call, answer)
+                return parsed(call, response)
             time.sleep(wait)

@@ -14,8 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
+from urllib.parse import quote
 
 import numpy as np
+
+from msn_serve.client.options import NOT_GIVEN, NotGiven, Timeout
 
 if TYPE_CHECKING:
     from PIL import Image as PILImage
@@ -26,6 +29,8 @@ ImageInput = Union[str, os.PathLike, bytes, bytearray, memoryview, "PILImage.Ima
 #: ``{"keep_idx": [...]}``, ``{"bitmap": [[0/1]]}``), one per image (a list), or an array: a boolean/0-1 patch
 #: grid (kept = true) or a 1-D array of kept patch indices.
 MaskInput = dict | list | np.ndarray | None
+#: One image or a list of them (a 4-D uint8 array is a batch).
+Images = ImageInput | list[ImageInput]
 
 
 def image_file(image: ImageInput, where: str = "image") -> tuple[str, bytes, str]:
@@ -101,7 +106,7 @@ def json_body(fields: dict[str, Any]) -> bytes:
 
 @dataclass
 class Call:
-    """One request and how to read its answer: built once, sent by the sync or the async client (with retries)."""
+    """One request and how to read its answer: built once by a resource, sent by the sync or the async client."""
 
     method: str
     path: str
@@ -111,7 +116,9 @@ class Call:
     params: dict[str, Any] | None = None
     raw: bool = False  # hand ``parse`` the whole :class:`Answer` (binary bodies, headers)
     accept_status: tuple[int, ...] = ()  # non-2xx statuses that are an answer, not an error (/readyz's 503)
-    retry: bool = True  # 503 + Retry-After is retried (the server changed nothing)
+    idempotent: bool = True  # sending it twice leaves what sending it once does: retried after a lost answer
+    retry: bool = True  # False for probes (health, ready): answered as they are, never sent again
+    timeout: Timeout | NotGiven = NOT_GIVEN  # this call's timeout (the client's when not given)
 
 
 @dataclass
@@ -122,15 +129,15 @@ class Answer:
 
 
 def image_call(method: str, path: str, parse: Callable[[Any], Any], images: list[ImageInput],
-               fields: dict[str, Any], *, text_fields: tuple[str, ...] = ("model",), raw: bool = False,
-               headers: dict[str, str] | None = None) -> Call:
-    """A request with images (multipart) or without (JSON), with ``fields``."""
+               fields: dict[str, Any], *, text_fields: tuple[str, ...] = ("model",),
+               headers: dict[str, str] | None = None, **kw: Any) -> Call:
+    """A request with images (multipart) or without (JSON), with ``fields``; ``kw``: the rest of :class:`Call`."""
     if images:
         files = [image_file(im, f"images[{i}]") for i, im in enumerate(images)]
         body, ctype = multipart_body(files, fields, text_fields=text_fields)
     else:
         body, ctype = json_body(fields), "application/json"
-    return Call(method, path, parse, content=body, headers={"Content-Type": ctype, **(headers or {})}, raw=raw)
+    return Call(method, path, parse, content=body, headers={"Content-Type": ctype, **(headers or {})}, **kw)
 
 
 def json_call(method: str, path: str, parse: Callable[[Any], Any], fields: dict[str, Any] | None = None,
@@ -140,6 +147,28 @@ def json_call(method: str, path: str, parse: Callable[[Any], Any], fields: dict[
         return Call(method, path, parse, **kw)
     return Call(method, path, parse, content=json_body(fields),
                 headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw)
+
+
+def quoted(name: str) -> str:
+    """A store's or model's name as one path segment."""
+    return quote(name, safe="")
+
+
+def id_list(ids: Any) -> list[int] | None:
+    """Ids (any int sequence or array) as a JSON list; ``None`` stays ``None``."""
+    return None if ids is None else [int(i) for i in np.asarray(ids).reshape(-1)]
+
+
+def matrix(value: Any) -> np.ndarray | None:
+    """Vectors as (n, dim) float32; one 1-D vector is one row."""
+    return None if value is None else np.atleast_2d(np.asarray(value, dtype=np.float32))
+
+
+def images_or_vectors(images: Any, vectors: Any, what: str) -> list[ImageInput]:
+    """The images to send as files (none when ``vectors`` are sent instead); exactly one of the two is given."""
+    if (images is None) == (vectors is None):
+        raise ValueError(f"send either images or {what}")
+    return [] if images is None else as_image_list(images)
 
 
 def as_image_list(images: ImageInput | list[ImageInput] | tuple[ImageInput, ...]) -> list[ImageInput]:

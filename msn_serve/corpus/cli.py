@@ -17,7 +17,6 @@ module itself never imports torch.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -37,7 +36,9 @@ from msn_core.corpus import (
     shard_slices,
     write_manifest,
 )
+from msn_core.gpu import CudaUnavailable
 from msn_core.inference import available_cpus
+from msn_core.optional import missing
 from msn_core.sources import FILE_SOURCES, SourceError, list_images
 from msn_serve.corpus.embed import embed_shards, pending_shards
 from msn_serve.corpus.output import PARQUET_FILE, parquet_missing, write_parquet
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(args)
-    except (SourceError, BundleError, RunMismatch, OSError) as e:  # OSError: e.g. --out not writable
+    except (SourceError, BundleError, RunMismatch, OSError, CudaUnavailable) as e:  # OSError: e.g. --out not writable
         sys.exit(f"msn-embed: {e}")
 
 
@@ -132,10 +133,9 @@ def _hand_over(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[
     if unsupported:
         p.error(f"{', '.join(unsupported)}: not available with {why} (the torch driver); run msn-embed with one "
                 "process and the default backend, or msn-index build on its output")
-    missing = [m for m in ("torch", "training") if importlib.util.find_spec(m) is None]
-    if missing:
-        sys.exit(f"msn-embed: {why} needs the training install ({' and '.join(missing)} missing: pip install "
-                 "'.[train]'); the default backend needs no torch")
+    problem = missing("torch", why) or missing("training", why)
+    if problem:
+        sys.exit(f"msn-embed: {problem}; the default backend needs no torch")
     command = [sys.executable, "-m", "training.bundle.embed", *argv]
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from msn_core.durable import atomic_write
+from msn_core.optional import MissingDependency, require
 
 PARQUET_FILE = "embeddings.parquet"
 
@@ -22,11 +23,9 @@ PARQUET_FILE = "embeddings.parquet"
 def parquet_missing() -> str | None:
     """Why ``--format parquet`` cannot be written here, or None when it can."""
     try:
-        import pyarrow
-        import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        return ("--format parquet needs pyarrow, which is not installed (pip install pyarrow); the default --format "
-                "npy needs nothing")
+        require("pyarrow.parquet", "--format parquet")
+    except MissingDependency as e:
+        return f"{e}; the default --format npy needs nothing"
     return None
 
 

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from msn_core.optional import optional
+
 
 class Progress:
     """``update(n, skipped)`` after each batch; ``close()`` at the end. ``total`` is the images still to embed."""
@@ -19,13 +21,8 @@ class Progress:
         self._t0 = self._last = time.perf_counter()
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._bar: Any = None
-        if use_tqdm:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self._bar = tqdm(total=total, desc=desc, unit="img", file=self.stream, smoothing=0.1)
+        if use_tqdm and (bars := optional("tqdm.auto")) is not None:
+            self._bar = bars.tqdm(total=total, desc=desc, unit="img", file=self.stream, smoothing=0.1)
 
     def update(self, n: int, skipped: int = 0) -> None:
         self.done += n

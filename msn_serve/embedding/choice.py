@@ -61,7 +61,7 @@ class RuntimeChoice:
 
     runtime: str
     precision: str
-    how: str  # requested | measured | cached | cuda (or the CPU fallback of a cuda request)
+    how: str  # requested | measured | cached | cuda
     cpu: dict[str, Any]
     batch: int | None = None
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)  # measured: images_per_s, cosine_min

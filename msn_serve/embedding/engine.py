@@ -18,6 +18,7 @@ import numpy as np
 
 from msn_core.bundle import BundleInfo
 from msn_core.inference import OpenVinoGraph, OrtGraph, available_cpus, ort_device
+from msn_core.optional import optional, require
 
 log = logging.getLogger("msn_serve.embedding.engine")
 
@@ -49,7 +50,7 @@ class Engine:
         model_path = info.graph_path(precision)  # BundleError (a ValueError) names the missing int8 graph
         self.precision = precision
         self._threads = intra_op_threads
-        device = ort_device(device)  # cpu, with a warning, when onnxruntime has no CUDA provider
+        device = ort_device(device)  # CudaUnavailable when onnxruntime has no CUDA provider or sees no GPU
         if device == "cuda" and fp16:
             model_path = _fp16_variant(model_path, cache_dir or info.path)
         self.graph = OrtGraph(model_path, device=device, intra_op_threads=intra_op_threads)
@@ -110,12 +111,10 @@ def _fp16_variant(model_path: Path, cache_dir: Path) -> Path:
     if out.is_file() and out.stat().st_mtime >= model_path.stat().st_mtime:
         return out
     try:
-        import onnx
-        try:
-            from onnxconverter_common import float16 as f16  # type: ignore[import-not-found]
-            convert = f16.convert_float_to_float16
-        except ImportError:
-            from onnxruntime.transformers.float16 import convert_float_to_float16 as convert
+        onnx = require("onnx", "fp16 conversion for --device cuda")
+        f16 = optional("onnxconverter_common.float16") or require("onnxruntime.transformers.float16",
+                                                                    "fp16 conversion for --device cuda")
+        convert = f16.convert_float_to_float16
         model = onnx.load(str(model_path))
         half = convert(model, keep_io_types=True)
         out.parent.mkdir(parents=True, exist_ok=True)

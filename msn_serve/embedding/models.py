@@ -107,8 +107,7 @@ def build_engine(settings: Settings, info: BundleInfo, cache_dir: Path) -> tuple
     if s.device == "cuda":
         engine = Engine(info, device="cuda", intra_op_threads=s.intra_op_threads, fp16=s.fp16, cache_dir=cache_dir,
                         precision="fp32")
-        how = "cuda" if engine.device == "cuda" else "cuda requested, no CUDA provider: ONNX Runtime on CPU"
-        return engine, RuntimeChoice(engine.runtime, engine.precision, how, cpu_info().describe())
+        return engine, RuntimeChoice(engine.runtime, engine.precision, "cuda", cpu_info().describe())
     request = Request(precision=s.precision, runtime=s.runtime, threads=s.intra_op_threads,
                       max_batch_size=s.max_batch_size)
     return choose_engine(info, request, cache_dir=cache_dir)

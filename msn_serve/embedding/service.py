@@ -18,12 +18,11 @@ import numpy as np
 
 from msn_core.bundle import BundleInfo
 from msn_core.inference import available_cpus
-from msn_core.masks import MaskError, resolve_masks
 from msn_serve.config import Settings
 from msn_serve.embedding.batcher import Batcher
 from msn_serve.embedding.engine import InferenceEngine
 from msn_serve.embedding.preprocess import PixelBudget, preprocess_bytes
-from msn_serve.errors import ApiError, too_large, unprocessable
+from msn_serve.errors import ApiError, request_keep_idx, too_large, unprocessable
 from msn_serve.metrics import Metrics
 
 log = logging.getLogger("msn_serve")
@@ -164,8 +163,5 @@ class EmbeddingService:
                                 f"{self.info.embed_dim}: send {sent_as}")
         keep_idx = inputs.keep_idx
         if keep_idx is None and inputs.images:
-            try:
-                keep_idx = resolve_masks(inputs.mask, len(inputs.images), self.info.grid)
-            except MaskError as e:
-                raise unprocessable(str(e)) from None
+            keep_idx = request_keep_idx(inputs.mask, len(inputs.images), self.info.grid)
         return await self.embed_images(inputs.images, keep_idx)

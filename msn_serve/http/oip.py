@@ -17,9 +17,9 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from msn_core.bundle import BundleInfo
-from msn_core.masks import PAD, MaskError, check_keep, resolve_masks
+from msn_core.masks import PAD, check_keep
 from msn_serve.embedding.models import ServedModel
-from msn_serve.errors import ApiError, bad_request, not_found
+from msn_serve.errors import ApiError, bad_request, not_found, rejecting_masks, request_keep_idx
 from msn_serve.http.inputs import off_loop
 from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
 from msn_serve.http.schemas import inline_schema
@@ -143,15 +143,13 @@ def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> l
         raise bad_request("keep_mask needs keep_idx")
     if mask is not None and "keep_idx" in t:
         raise bad_request("give either the keep_idx input or the mask parameter, not both")
-    try:
-        if "keep_idx" in t:
-            rows = _keep_rows(t, px.shape[0])
+    if "keep_idx" in t:
+        rows = _keep_rows(t, px.shape[0])
+        with rejecting_masks(status=400):
             keeps = [check_keep(row, info.num_patches, f"keep_idx row {r}") for r, row in enumerate(rows)]
-        else:
-            spec = loads(mask, "parameters.mask", status=400) if isinstance(mask, str) else mask
-            keeps = resolve_masks(spec, px.shape[0], info.grid)
-    except MaskError as e:
-        raise bad_request(str(e)) from None
+    else:
+        spec = loads(mask, "parameters.mask", status=400) if isinstance(mask, str) else mask
+        keeps = request_keep_idx(spec, px.shape[0], info.grid, status=400)
     return list(zip(px, keeps, strict=True))
 
 

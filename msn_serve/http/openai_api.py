@@ -7,6 +7,8 @@ default). An input is an image: a base64 ``data:`` URL or raw base64, or an ``ht
 enabled URL inputs (:mod:`msn_serve.http.url_fetch`). A mask rides as the extension field ``mask`` (the format of
 ``/embed``, one spec for all inputs or one per input; ``extra_body={"mask": ...}`` with the ``openai`` client).
 ``usage`` counts the patch tokens the encoder saw: the kept patches of each image (all of them without a mask).
+``model`` is a served name (``/v1/models`` lists each as its ``id``); the answer's ``model`` is the bundle's model
+id, which says which weights made the vectors, as OpenAI answers a dated snapshot for an alias.
 
 Errors on these routes are OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``, with 400 for
 a malformed request (the native API's 422s), 404 for an unknown model; the limits, auth and body cap are the rest
@@ -27,9 +29,8 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from msn_core.masks import MaskError, resolve_masks
-from msn_serve.embedding.models import ServedModel
-from msn_serve.errors import ApiError
+from msn_serve.embedding.models import MSN_ALIAS, ServedModel
+from msn_serve.errors import ApiError, request_keep_idx
 from msn_serve.http.fields import MASK_DOC
 from msn_serve.http.inputs import off_loop
 from msn_serve.http.responses import StrictJSONResponse
@@ -75,15 +76,24 @@ def _rt(request: Request) -> Runtime:
 
 
 def _check_model(rt: Runtime, model: Any) -> ServedModel:
-    """The model ``model`` names: a model's name, its model id (what ``/v1/models`` lists as ``id``) or ``msn``."""
+    """The model ``model`` names: a served name (what ``/v1/models`` lists as ``id``), ``msn`` (the default), or a
+    bundle's model id when one served model has it (400 when several do: their vectors may come from different
+    runtimes and precisions, so the caller picks)."""
     if not isinstance(model, str) or not model:
-        raise _bad("model: expected the model's name (GET /v1/models lists it)", "model")
-    served = rt.models.resolve(model)
-    if served is None:
-        ids = ", ".join(repr(m.info.model_id) for m in rt.models.models.values())
-        raise OpenAIError(404, f"The model {model[:200]!r} does not exist; this server serves {ids} "
-                               "(GET /v1/models)", param="model")
-    return served
+        raise _bad("model: expected a served model's id (GET /v1/models lists them)", "model")
+    served = rt.models.models
+    if model in served:
+        return served[model]
+    if model == MSN_ALIAS:
+        return rt.models.default
+    named = [name for name, m in served.items() if m.info.model_id == model]
+    if len(named) == 1:
+        return served[named[0]]
+    if named:
+        raise _bad(f"model: {model[:200]!r} is the bundle of several served models ({', '.join(map(repr, named))});"
+                   " pass one of their names (GET /v1/models)", "model")
+    raise OpenAIError(404, f"The model {model[:200]!r} does not exist; this server serves "
+                           f"{', '.join(map(repr, served))} (GET /v1/models)", param="model")
 
 
 def _decode(item: Any, i: int) -> bytes:
@@ -187,7 +197,8 @@ def _as_openai(e: ApiError) -> OpenAIError:
     """The native API's error in OpenAI's shape: its 422 (bad image, bad mask) is OpenAI's 400."""
     if isinstance(e, OpenAIError):
         return e
-    return OpenAIError(400 if e.status == 422 else e.status, e.message, headers=e.headers)
+    return OpenAIError(400 if e.status == 422 else e.status, e.message, param=getattr(e, "param", None),
+                       headers=e.headers)
 
 
 def _body(model_id: str, emb: np.ndarray, keeps: list[np.ndarray], encoding: str) -> bytes:
@@ -207,7 +218,8 @@ def _body(model_id: str, emb: np.ndarray, keeps: list[np.ndarray], encoding: str
 IMAGE_DOC = "an image: a base64 data URL (data:image/png;base64,...), raw base64, or an http(s) URL if enabled"
 EMBEDDINGS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["model", "input"], "properties": {
-        "model": {"type": "string", "description": "a served model's id or name (GET /v1/models) or 'msn'"},
+        "model": {"type": "string", "description": "a served model's id (GET /v1/models), 'msn' (the default) "
+                                                   "or a bundle's model id served under one name"},
         "input": {"oneOf": [{"type": "string", "description": IMAGE_DOC},
                             {"type": "array", "minItems": 1, "items": {"type": "string", "description": IMAGE_DOC}}]},
         "encoding_format": {"type": "string", "enum": ["float", "base64"], "default": "float"},
@@ -226,10 +238,7 @@ async def embeddings(request: Request) -> Response:
         data, images = await _read(request, rt)
         served = _check_model(rt, data["model"])
         with served.use():
-            try:
-                keeps = resolve_masks(data.get("mask"), len(images), served.info.grid)
-            except MaskError as e:
-                raise _bad(str(e), "mask") from None
+            keeps = request_keep_idx(data.get("mask"), len(images), served.info.grid)  # MaskRejected: param "mask"
             emb = await served.embedding.embed_images(images, keeps, normalize=False)
     except ApiError as e:
         raise _as_openai(e) from None
@@ -242,20 +251,21 @@ def _model_card(served: ServedModel) -> dict[str, Any]:
         created = int((served.spec.bundle / "msn.json").stat().st_mtime)
     except OSError:
         created = 0
-    return {"id": served.info.model_id, "object": "model", "created": created, "owned_by": "msn-serve",
-            "name": served.name}
+    return {"id": served.name, "object": "model", "created": created, "owned_by": "msn-serve",
+            "model_id": served.info.model_id}
 
 
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The served models, as OpenAI lists models, the default first (``id``: the model id; ``name``: what the
-    server calls it, also accepted as ``model``; ``created``: when the bundle's ``msn.json`` was written)."""
+    """The served models, as OpenAI lists models, the default first. ``id`` is the served name (unique: what
+    ``model`` takes), ``model_id`` the bundle's model id (what stores record; two names may serve one bundle),
+    ``created`` when the bundle's ``msn.json`` was written."""
     return {"object": "list", "data": [_model_card(m) for m in _rt(request).models.models.values()]}
 
 
 @router.get("/models/{model}")
 async def model(model: str, request: Request) -> dict[str, Any]:
-    """One model's card (by model id, name or ``msn``); 404 in OpenAI's shape for any other name."""
+    """One model's card (by served name, ``msn``, or a model id one model has); 404 in OpenAI's shape else."""
     return _model_card(_check_model(_rt(request), model))
 
 

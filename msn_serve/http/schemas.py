@@ -26,10 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-from msn_core.masks import MaskError, resolve_masks
 from msn_serve.config import Settings
 from msn_serve.embedding.service import Inputs
-from msn_serve.errors import NAME_RE, ApiError, brief, unprocessable
+from msn_serve.errors import NAME_RE, ApiError, brief, request_keep_idx, unprocessable
 from msn_serve.http.fields import (
     IDS_SCHEMA,
     Ids,
@@ -97,10 +96,7 @@ class RequestModel(BaseModel):
         Without it, the embedding service of the model a store names resolves the mask (:class:`Inputs`)."""
         if not self._images or (self.VECTORS and getattr(self, self.VECTORS) is not None):
             return
-        try:
-            self._keep_idx = resolve_masks(getattr(self, "mask", None), len(self._images), grid)
-        except MaskError as e:
-            raise unprocessable(str(e)) from None
+        self._keep_idx = request_keep_idx(getattr(self, "mask", None), len(self._images), grid)
 
     @classmethod
     def _from_text(cls, key: str, text: str) -> Any:

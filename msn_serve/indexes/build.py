@@ -9,7 +9,9 @@ Plain IVF-PQ with the largest code that fits is the fallback when raw vectors ex
 figures, the chosen parameters and query times are printed and stored in ``build_info.json`` next to the index.
 
 The output is the :mod:`msn_serve.indexes.files` form (``config.json`` + ``index.faiss`` + ``state.npz``) in
-``<data-dir>/indexes/<name>/``, written in a hidden staging directory and renamed into place.
+``<data-dir>/indexes/<name>/``, written in a staging directory and swapped in (:func:`msn_core.durable.replace_dir`):
+``kill -9`` at any moment leaves the old index or the new one there, never a mix (the next ``msn-index`` or
+``msn-serve`` finishes an interrupted swap before it reads the folder).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from msn_core.durable import fsync_path, lock_data_dir, remove_durably
+from msn_core.durable import lock_data_dir, recover_dir, replace_dir
 from msn_serve.errors import NAME_RE
 from msn_serve.indexes import migrate as migrate_cli
 from msn_serve.indexes.config import IndexConfig, search_params
@@ -156,6 +158,7 @@ def _target(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 def build(args: argparse.Namespace) -> dict[str, Any]:
     out, data_dir = _target(args)
+    recover_dir(out)  # an earlier build or migrate killed mid-swap: its index is the one there is
     if out.exists() and not args.overwrite:
         raise BuildError(f"{out} exists; pass --overwrite to replace it")
     lock = None
@@ -238,19 +241,9 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 metadata[int(row["id"])] = {key: row[key] for key in ("path", "label") if row.get(key) is not None}
         info["image_base"] = corpus.manifest.get("base")  # where the paths point (msn-index migrate re-embeds them)
     info.update(config=asdict(cfg), total_s=round(time.perf_counter() - t_start, 3))
-    staging = out.parent / f".{out.name}.{time.time_ns()}.tmp"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with replace_dir(out) as staging:  # the old index stays at ``out`` until the new one replaces it
         write_index_dir(staging, asdict(cfg), index, ids, metadata, 0,
                         extra={"build_info.json": json.dumps(info, indent=1).encode()})
-        if out.exists():
-            remove_durably(out)
-        os.rename(staging, out)
-        fsync_path(out.parent)
-    except BaseException:
-        if staging.exists():
-            remove_durably(staging)
-        raise
     info["index_file_bytes"] = (out / "index.faiss").stat().st_size
     info["out"] = str(out)
     return info

@@ -80,13 +80,25 @@ def build_index(cfg: IndexConfig) -> faiss.Index:
         # shortlisted too few true neighbours for re-ranking to recover (recall 0.36 vs 0.57 at k_factor 1)
         codes = f"PQ{cfg.pq_m}x4fsr" if cfg.fastscan else f"PQ{cfg.pq_m}"
         if not cfg.k_factor:
-            return faiss.index_factory(cfg.dim, f"IVF{cfg.nlist},{codes}", metric)  # native ids
+            return _without_polysemous_training(
+                faiss.index_factory(cfg.dim, f"IVF{cfg.nlist},{codes}", metric))  # native ids
         # IndexRefine takes no external ids: the IDMap2 wrapper gives them (and cannot remove, see can_delete)
-        return faiss.IndexIDMap2(faiss.index_factory(cfg.dim, f"IVF{cfg.nlist},{codes},RFlat", metric))
+        refine = faiss.index_factory(cfg.dim, f"IVF{cfg.nlist},{codes},RFlat", metric)
+        _without_polysemous_training(faiss.downcast_index(refine.base_index))
+        return faiss.IndexIDMap2(refine)
     else:
         inner = faiss.IndexHNSWFlat(cfg.dim, cfg.m, metric)
         inner.hnsw.efConstruction = cfg.ef_construction
     return faiss.IndexIDMap2(inner)  # faiss' Python wrapper keeps a reference to `inner`
+
+
+def _without_polysemous_training(index: faiss.Index) -> faiss.Index:
+    """IndexIVFPQ trains a polysemous code ordering by default, used only by polysemous search (``polysemous_ht``),
+    which we never enable: on 12k x 16 vectors it was 25 of the 29 s of training, for identical results."""
+    ivfpq = faiss.downcast_index(index)
+    if isinstance(ivfpq, faiss.IndexIVFPQ):
+        ivfpq.do_polysemous_training = False
+    return index
 
 
 def config_from_spec(spec: dict[str, Any], default_dim: int, model_id: str) -> IndexConfig:

@@ -4,7 +4,7 @@ Flat and IVF indexes (IVF-Flat, plain IVF-PQ) get a GPU copy that answers search
 that is persisted, published and replayed (``index_gpu_to_cpu`` is never needed), as without a GPU. HNSW and the
 re-ranked IVF-PQ have no FAISS GPU implementation and stay on the CPU. FAISS GPU indexes are not thread-safe even
 for searches, which is why every use happens under the owning index's lock. Without a GPU build of faiss or a
-visible GPU the service logs one warning and keeps every index on the CPU.
+visible GPU ``--device cuda`` is refused (:mod:`msn_serve.device`), never quietly served from the CPU.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import threading
 
 import faiss
 
+from msn_core.gpu import GPU_INSTALL, CudaUnavailable
 from msn_serve.indexes.config import IndexConfig
 
 log = logging.getLogger("msn_serve.indexes.gpu")
 _resources: faiss.StandardGpuResources | None = None
 _lock = threading.Lock()
-_warned = False
 
 
 def gpu_count() -> int:
@@ -31,18 +31,16 @@ def gpu_count() -> int:
 
 
 def resolve_device(requested: str) -> str:
-    """``cuda`` if asked for and FAISS can use a GPU, else ``cpu`` (warning once why)."""
-    global _warned
+    """``cuda`` if asked for and FAISS can use a GPU, else ``cpu``; :class:`CudaUnavailable` when ``cuda`` is asked
+    for and this faiss has no GPU support or sees no GPU (``msn_serve.device`` refuses that before; this guards the
+    stores opened on their own)."""
     if requested != "cuda":
         return "cpu"
     if gpu_count() > 0:
         return "cuda"
-    if not _warned:
-        why = ("this faiss build has no GPU support (install the gpu extra: faiss-gpu)"
-               if not hasattr(faiss, "StandardGpuResources") else "no GPU is visible to faiss")
-        log.warning("--device cuda: %s; FAISS indexes stay on the CPU", why)
-        _warned = True
-    return "cpu"
+    why = (f"faiss-gpu (this faiss {faiss.__version__} is the CPU build): {GPU_INSTALL}"
+           if not hasattr(faiss, "StandardGpuResources") else "a GPU faiss can see (faiss.get_num_gpus() is 0)")
+    raise CudaUnavailable(f"--device cuda needs {why}")
 
 
 def supported(cfg: IndexConfig) -> bool:

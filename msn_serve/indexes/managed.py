@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import threading
 import time
 from dataclasses import asdict
@@ -31,7 +30,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from msn_core.durable import atomic_write, fsync_path, quarantine, remove_durably
+from msn_core.durable import atomic_write, quarantine, remove_durably, replace_dir
 from msn_serve.errors import conflict, not_found, persisting, read_only_replica, too_large, unprocessable
 from msn_serve.indexes import auto as index_auto
 from msn_serve.indexes import gpu as index_gpu
@@ -77,21 +76,11 @@ class ManagedIndex:
     # ---- persistence ------------------------------------------------------------------------------------------
     @classmethod
     def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
-        """Make the directory in a hidden staging name and rename it into place, so a failed create (full disk)
-        leaves nothing a restart would load or quarantine (``clean_temp_files`` removes stray staging dirs)."""
-        staging = path.with_name(f".{path.name}.{time.time_ns()}.tmp")
-        staging.mkdir(parents=True)
-        placed = False
-        try:
+        """Make the directory in a staging directory and swap it in, so a failed create (full disk) leaves nothing
+        a restart would load or quarantine."""
+        with replace_dir(path, replace=False) as staging:
             atomic_write(staging / "config.json", json.dumps(asdict(cfg), indent=1).encode())
             os.close(os.open(staging / "wal.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            fsync_path(staging)
-            os.rename(staging, path)
-            placed = True
-            fsync_path(path.parent)  # the new index directory itself must survive a crash
-        except BaseException:
-            shutil.rmtree(path if placed else staging, ignore_errors=True)
-            raise
         return cls(path, cfg, build_index(cfg), Metadata(), 0, set(), device=device)
 
     @classmethod

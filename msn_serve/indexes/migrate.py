@@ -4,10 +4,11 @@ An index holds one model's vectors; a server running another model refuses it (4
 the index kept each image's path as metadata (``msn-index build --store-paths``, or ``{"path": ...}`` metadata sent
 with ``POST /index/{name}/add``), this tool embeds those images again with the new bundle, through the server's own
 engine and preprocessing (so the vectors are exactly what ``msn-serve`` computes; no torch), and replaces the index
-**in place**: the new index is written in a hidden staging directory, the old directory is moved to
-``<data-dir>/backups/indexes/<name>.<old model>.<time>`` and the new one renamed into its place (a crash between the
-two renames leaves the index absent and the backup whole; rerun the tool or move the backup back). The options, ids
-and metadata stay; only ``model_id`` (and ``dim``, if the width changed) change.
+**in place**: the new index is written in a staging directory and swapped in by
+:func:`msn_core.durable.replace_dir`, the old one moved to ``<data-dir>/backups/indexes/<name>.<old model>.<time>``
+(after ``kill -9`` at any moment the next ``msn-index`` or ``msn-serve`` finds the old index or the new one at the
+path, and the old one in the backups once the new one is in). The options, ids and metadata stay; only
+``model_id`` (and ``dim``, if the width changed) change.
 
 Ids without a stored path, or whose file cannot be read, cannot be re-embedded: they are counted and listed, nothing
 is changed, and the exit status is 1, unless ``--allow-partial`` writes the index without them (still exit status 1,
@@ -28,7 +29,7 @@ import faiss
 import numpy as np
 
 from msn_core.bundle import load_bundle_info
-from msn_core.durable import fsync_path, lock_data_dir, remove_durably
+from msn_core.durable import lock_data_dir, recover_dir, replace_dir
 from msn_serve.errors import ApiError
 from msn_serve.indexes.config import IndexConfig, build_index
 from msn_serve.indexes.files import INDEX_FILE, decode_record, read_index_dir, write_index_dir
@@ -141,13 +142,14 @@ def fill(cfg: IndexConfig, ids: list[int], vecs: np.ndarray) -> faiss.Index:
 
 def migrate(args: argparse.Namespace) -> int:
     path = args.data_dir / "indexes" / args.name
-    if not (path / "config.json").is_file():
-        raise MigrateError(f"{path}: no such index (expected DATA_DIR/indexes/NAME/config.json)")
     try:
         lock = lock_data_dir(args.data_dir, owner="msn-serve")
     except OSError as e:
         raise MigrateError(f"{e}: stop msn-serve first, then start it again to load the migrated index") from None
     try:
+        recover_dir(path)  # an earlier build or migrate killed mid-swap: its index is the one there is
+        if not (path / "config.json").is_file():
+            raise MigrateError(f"{path}: no such index (expected DATA_DIR/indexes/NAME/config.json)")
         return _migrate(args, path)
     finally:
         os.close(lock)
@@ -206,25 +208,15 @@ def _report_lost(lost: dict[int, str], shown: int = 10) -> None:
 
 def _swap(path: Path, data_dir: Path, cfg: IndexConfig, index: faiss.Index, ids: list[int], meta: dict[int, Any],
           *, old_model: str) -> Path:
-    """Write the new index in a staging directory, move the old one to the backups, rename the new one in."""
-    staging = path.with_name(f".{path.name}.{time.time_ns()}.tmp")  # removed by msn-serve's start-up clean-up
+    """Write the new index in a staging directory and swap it in, the old one moved to the backups."""
     extra = {}
     if (path / "build_info.json").is_file():
         extra["build_info.json"] = (path / "build_info.json").read_bytes()
-    try:
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    backup = data_dir / "backups" / "indexes" / f"{path.name}.{old_model or 'unknown'}.{stamp}"
+    with replace_dir(path, keep_old=backup) as staging:
         write_index_dir(staging, asdict(cfg), index, np.asarray(ids, dtype=np.int64), Metadata.coerce(meta), 0,
                         extra=extra)
-    except BaseException:
-        if staging.exists():
-            remove_durably(staging)
-        raise
-    backups = data_dir / "backups" / "indexes"
-    backups.mkdir(parents=True, exist_ok=True)
-    backup = backups / f"{path.name}.{old_model or 'unknown'}.{time.strftime('%Y%m%dT%H%M%S')}"
-    os.rename(path, backup)
-    os.rename(staging, path)
-    for d in (backups, path.parent):
-        fsync_path(d)
     return backup
 
 

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from msn_core.durable import quarantine, remove_durably
+from msn_core.durable import quarantine, recover_dirs, remove_durably
 from msn_serve.errors import check_model, conflict, model_matches, not_found, persisting, read_only_replica
 from msn_serve.indexes import gpu as index_gpu
 from msn_serve.indexes.config import config_from_spec
@@ -42,6 +42,8 @@ class IndexStore:
 
     def load_all(self) -> list[str]:
         problems = []
+        if not self.read_only:
+            recover_dirs(self.root)  # an index whose msn-index swap was killed between its renames is absent
         for p in sorted(self.root.iterdir()) if self.root.is_dir() else []:
             if not p.is_dir() or p.name.startswith("."):
                 continue

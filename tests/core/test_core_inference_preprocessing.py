@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -90,15 +89,19 @@ def test_ort_graph_runs_the_bundle_contract_with_one_set_of_settings(tmp_path: P
         OrtGraph(_graph(tmp_path / "wrong.onnx", first_input="image"))
 
 
-def test_cuda_without_the_provider_falls_back_to_cpu_with_a_warning(caplog):
+def test_cuda_without_the_provider_is_refused_with_the_install_line():
     import onnxruntime as ort
+
+    from msn_core.gpu import CudaUnavailable
 
     assert ort_device("cpu") == "cpu"
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("onnxruntime here has a CUDA provider")
-    with caplog.at_level(logging.WARNING, logger="msn_core.inference"):
-        assert ort_device("cuda:0") == "cpu"
-    assert "no CUDAExecutionProvider" in caplog.text
+    with pytest.raises(CudaUnavailable) as e:
+        ort_device("cuda:0")
+    assert str(e.value).startswith(f"--device cuda:0 needs onnxruntime-gpu with its CUDA provider (this onnxruntime "
+                                   f"{ort.__version__} is the CPU build)")
+    assert "pip install 'msn[gpu]'" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_openvino_settings_are_one_table():

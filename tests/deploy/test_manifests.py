@@ -426,6 +426,44 @@ def test_compose_services_ports_healthchecks():
     assert (COMPOSE.parent / "prometheus.yml").is_file() and config_mount.endswith(":ro")
 
 
+def test_compose_visualizer_works_from_the_host():
+    """The app listens on all interfaces of its container (its own default, 127.0.0.1, is unreachable through the
+    published port), loads the bundle and decoder `make demo` writes, logs in with the service's key, and points
+    its labelling tab at the service's compose name and port. Parsed by the app's real parser."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    from visualizer.cli import _parser
+
+    compose = yaml.safe_load(COMPOSE.read_text())
+    viz, serve = compose["services"]["visualizer"], compose["services"]["msn-serve"]
+    argv = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word) for word in viz["command"]]  # compose's defaults
+    assert argv[0] == "msn-visualize"
+    args = _parser().parse_args(argv[1:])
+    assert args.command == "app"
+    assert ipaddress.ip_address(args.host).is_unspecified
+    assert f"{args.port}:{args.port}" in viz["ports"]
+
+    url = urlparse(args.serve_url)
+    assert url.hostname == "msn-serve" and url.port == int(serve["environment"]["MSN_SERVE_PORT"])
+    assert "msn-serve" in viz.get("depends_on", {})
+    assert str(args.api_key_file) == serve["environment"]["MSN_SERVE_API_KEY_FILE"]
+    assert "msn_api_key" in viz["secrets"]
+
+    def on_host(container_path: Path) -> str:
+        """The repository path a container path is mounted from (the bind mounts under ``..``)."""
+        for volume in viz["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith(".") and container_path.is_relative_to(target):
+                host = (COMPOSE.parent / source / container_path.relative_to(target)).resolve()
+                return str(host.relative_to(ROOT))
+        raise AssertionError(f"{container_path} is not mounted from the repository")
+
+    make = dict(re.findall(r"(?m)^(DEMO_\w+) \?= (\S+)$", (ROOT / "Makefile").read_text()))
+    assert on_host(args.bundle) == make["DEMO_BUNDLE"]
+    assert on_host(args.decoder) == make["DEMO_DECODER"]
+
+
 def test_prometheus_scrapes_msn_serve_metrics():
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}

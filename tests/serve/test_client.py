@@ -1,33 +1,38 @@
-"""The Python client (``msn_serve.client``) against real ``msn-serve`` processes: every endpoint, images in every
-form it takes, masks, errors carrying the server's message, 503 retried after ``Retry-After``, the async client."""
+"""The Python client (``msn_serve.client``) against real ``msn-serve`` processes: every call, images in every form
+it takes, masks, errors carrying the server's status and message, the environment's URL and key, and the README's
+example run with nothing but the client's dependencies importable. Retries: test_client_retry.py."""
 from __future__ import annotations
 
 import ast
+import json
+import os
+import re
+import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from serve_helpers import REPO, Server, encode, random_image
+from serve_helpers import REPO, Server, encode, free_port, random_image
 
 from msn_serve.client import (
-    NO_RETRY,
+    APIConnectionError,
+    APIError,
     APIStatusError,
     AuthenticationError,
-    BadRequest,
+    BadRequestError,
     Client,
-    ClientError,
-    Conflict,
-    NotFound,
-    PayloadTooLarge,
-    RetryPolicy,
-    ServiceUnavailable,
-    TransportError,
-    UnprocessableEntity,
+    ConflictError,
+    InsufficientStorageError,
+    InternalServerError,
+    ModelCard,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+    UnprocessableEntityError,
 )
 
 KEY = "client-test-key"
@@ -65,68 +70,76 @@ def test_images_in_every_form_give_the_raw_requests_vectors(srv: Server, client:
     want = np.asarray(raw_embed(srv, png)["embeddings"], dtype=np.float32)
     model_id = client.info()["model_id"]
     for form in (str(tmp_path / "a.png"), tmp_path / "a.png", png, Image.fromarray(arr), arr):
-        got = client.embed(form)
+        got = client.embeddings.create(form)
         assert got.vectors.dtype == np.float32 and got.vectors.shape == want.shape, type(form)
         np.testing.assert_allclose(got.vectors, want, atol=1e-5, err_msg=type(form).__name__)
         assert got.model_id == model_id and got.normalized is False and got.keep_idx is None
-    batch = client.embed(np.stack([arr, random_image(1)]))  # a 4-D array is a batch
+    batch = client.embeddings.create(np.stack([arr, random_image(1)]))  # a 4-D array is a batch
     assert batch.vectors.shape == (2, want.shape[1])
     np.testing.assert_allclose(batch.vectors[0], want[0], atol=1e-5)
-    unit = client.embed([png, random_image(1)], normalize=True)
+    unit = client.embeddings.create([png, random_image(1)], normalize=True)
     np.testing.assert_allclose(np.linalg.norm(unit.vectors, axis=1), 1.0, atol=1e-5)
     assert unit.normalized is True
     with pytest.raises(ValueError, match="uint8"):
-        client.embed(arr.astype(np.float32))
+        client.embeddings.create(arr.astype(np.float32))
 
 
 def test_masked_embed_and_openai_embeddings(srv: Server, client: Client) -> None:
     png = encode(random_image(2))
     want = raw_embed(srv, png, '{"ratio": 0.5, "seed": 3}')
-    got = client.embed(png, mask={"ratio": 0.5, "seed": 3})
+    got = client.embeddings.create(png, mask={"ratio": 0.5, "seed": 3})
     np.testing.assert_allclose(got.vectors, np.asarray(want["embeddings"], np.float32), atol=1e-5)
     assert [k.tolist() for k in got.keep_idx] == want["keep_idx"] and got.kept_tokens == want["kept_tokens"]
     grid = client.info()["grid"]
     bitmap = np.zeros((grid, grid), dtype=bool)
     bitmap[:2] = True  # the top two rows of patches
-    as_array = client.embed(png, mask=bitmap)
+    as_array = client.embeddings.create(png, mask=bitmap)
     assert as_array.keep_idx[0].tolist() == list(range(2 * grid))
-    np.testing.assert_allclose(as_array.vectors, client.embed(png, mask={"keep_idx": list(range(2 * grid))}).vectors,
+    np.testing.assert_allclose(as_array.vectors, client.embeddings.create(png, mask={"keep_idx": list(range(2 * grid))}).vectors,
                                atol=1e-6)
     for mask in (None, {"ratio": 0.5, "seed": 3}):
-        oa = client.embeddings([png, random_image(3)], mask=mask)
-        native = client.embed([png, random_image(3)], mask=mask)
+        oa = client.embeddings.create_v1([png, random_image(3)], mask=mask)
+        native = client.embeddings.create([png, random_image(3)], mask=mask)
         np.testing.assert_allclose(oa.vectors, native.vectors, atol=1e-5)
         assert oa.prompt_tokens == sum(native.kept_tokens) and oa.model == native.model_id
 
 
 def test_errors_carry_the_servers_status_and_message(srv: Server, client: Client) -> None:
     png = encode(random_image(4))
-    with pytest.raises(PayloadTooLarge) as e:
-        client.embed([png] * 4)
-    assert e.value.status == 413 and "at most 3 images" in e.value.message
+    with pytest.raises(PayloadTooLargeError) as e:
+        client.embeddings.create([png] * 4)
+    assert e.value.status_code == 413 and "at most 3 images" in e.value.message
     bad = httpx.post(f"{srv.url}/embed", files={"image": png}, data={"mask": '{"ratio": 2}'}, headers=AUTH)
-    with pytest.raises(UnprocessableEntity) as e:
-        client.embed(png, mask={"ratio": 2})
-    assert e.value.status == 422 and e.value.message == bad.json()["error"] and "ratio" in e.value.message
-    with pytest.raises(NotFound) as e:
-        client.search("no-such-index", vectors=np.zeros(64))
-    assert e.value.status == 404 and "no-such-index" in e.value.message
-    with pytest.raises(BadRequest) as e:  # /v1 answers OpenAI's error object: its message is read too
-        client.embeddings(png, mask={"ratio": 2})
-    assert e.value.status == 400 and "ratio" in e.value.message and e.value.detail["type"] == "invalid_request_error"
+    with pytest.raises(UnprocessableEntityError) as e:
+        client.embeddings.create(png, mask={"ratio": 2})
+    assert e.value.status_code == 422 and e.value.message == bad.json()["error"] and "ratio" in e.value.message
+    with pytest.raises(NotFoundError) as e:
+        client.indexes.search("no-such-index", vectors=np.zeros(64))
+    assert e.value.status_code == 404 and "no-such-index" in e.value.message
+    with pytest.raises(BadRequestError) as e:  # /v1 answers OpenAI's error object: its message is read too
+        client.embeddings.create_v1(png, mask={"ratio": 2})
+    assert e.value.status_code == 400 and "ratio" in e.value.message and e.value.detail["type"] == "invalid_request_error"
     with Client(srv.url) as anonymous:
         with pytest.raises(AuthenticationError) as e:
-            anonymous.embed(png)
-        assert e.value.status == 401 and "API key" in e.value.message and isinstance(e.value, ClientError)
+            anonymous.embeddings.create(png)
+        assert e.value.status_code == 401 and "API key" in e.value.message and isinstance(e.value, APIError)
         assert anonymous.health() == {"status": "ok"}  # health stays open
-    with Client(f"http://127.0.0.1:{_closed_port()}", timeout=5) as nowhere, pytest.raises(TransportError):
-        nowhere.health()
+    with Client(f"http://127.0.0.1:{free_port()}", timeout=5) as nowhere, \
+            pytest.raises(APIConnectionError) as e:
+        nowhere.health()  # a probe: not retried
+    assert e.value.attempts == 1
 
 
-def _closed_port() -> int:
-    from serve_helpers import free_port
+def test_errors_are_arranged_as_openais() -> None:
+    """``except InternalServerError`` catches 503 and 507 too; ``APIError`` catches everything."""
+    from msn_serve.client import APITimeoutError, RateLimitError
 
-    return free_port()
+    assert issubclass(APITimeoutError, APIConnectionError) and issubclass(APIConnectionError, APIError)
+    assert issubclass(ServiceUnavailableError, InternalServerError)
+    assert issubclass(InsufficientStorageError, InternalServerError)
+    for cls in (BadRequestError, AuthenticationError, PermissionDeniedError, NotFoundError, ConflictError,
+                PayloadTooLargeError, UnprocessableEntityError, RateLimitError, InternalServerError):
+        assert issubclass(cls, APIStatusError) and issubclass(cls, APIError) and cls.__name__.endswith("Error")
 
 
 def test_health_ready_metrics_models(client: Client) -> None:
@@ -135,28 +148,31 @@ def test_health_ready_metrics_models(client: Client) -> None:
     assert ready.ready is True and "precision" in ready.raw
     assert "msn_http_requests_total" in client.metrics()
     info = client.info()
-    assert [m["id"] for m in client.models()] == [info["model_id"]]
+    cards = client.models.list()
+    assert cards == [client.models.retrieve("default")] and isinstance(cards[0], ModelCard)
+    assert (cards[0].id, cards[0].model_id) == ("default", info["model_id"])  # id: what model= takes
 
 
 def test_index_round_trip(client: Client) -> None:
     imgs = [random_image(10 + i) for i in range(3)]
-    assert client.create_index("pets", metric="ip", type="flat")["ntotal"] == 0
-    with pytest.raises(Conflict, match="already exists"):
-        client.create_index("pets")
-    added = client.add("pets", [1, 2, 3], images=imgs, metadata=[{"f": "a"}, None, {"f": "c"}])
+    assert client.indexes.create("round-trip", metric="ip", type="flat")["ntotal"] == 0
+    with pytest.raises(ConflictError, match="already exists"):
+        client.indexes.create("round-trip")
+    added = client.indexes.add("round-trip", [1, 2, 3], images=imgs, metadata=[{"f": "a"}, None, {"f": "c"}])
     assert added["added"] == 3 and added["ntotal"] == 3
-    vecs = client.embed(imgs).vectors
-    client.add("pets", np.array([7]), vectors=vecs[0] * -1)  # one 1-D vector is one row
-    hits = client.search("pets", images=imgs[2], k=2)
+    vecs = client.embeddings.create(imgs).vectors
+    client.indexes.add("round-trip", np.array([7]), vectors=vecs[0] * -1)  # one 1-D vector is one row
+    hits = client.indexes.search("round-trip", images=imgs[2], k=2)
     assert hits.metric == "ip" and hits.hits[0][0].id == 3 and hits.hits[0][0].metadata == {"f": "c"}
-    by_vector = client.search("pets", vectors=vecs, k=4)
+    by_vector = client.indexes.search("round-trip", vectors=vecs, k=4)
     assert by_vector.ids.shape == (3, 4) and by_vector.ids[:, 0].tolist() == [1, 2, 3]
     assert np.all(np.diff(by_vector.scores, axis=1) <= 1e-6)
-    assert client.index_stats("pets")["ntotal"] == 4
-    assert "pets" in [ix["name"] for ix in client.list_indexes()]
-    assert client.delete_ids("pets", [7, 99]) == {"name": "pets", "removed": 1, "not_found": [99], "ntotal": 3}
-    assert client.delete_index("pets") == {"deleted": "pets"}
-    assert "pets" not in [ix["name"] for ix in client.list_indexes()]
+    assert client.indexes.retrieve("round-trip")["ntotal"] == 4
+    assert "round-trip" in [ix["name"] for ix in client.indexes.list()]
+    removed = client.indexes.delete_ids("round-trip", [7, 99])
+    assert removed == {"name": "round-trip", "removed": 1, "not_found": [99], "ntotal": 3}
+    assert client.indexes.delete("round-trip") == {"deleted": "round-trip"}
+    assert "round-trip" not in [ix["name"] for ix in client.indexes.list()]
 
 
 def test_fewshot_and_label_loop_round_trip(client: Client) -> None:
@@ -164,161 +180,87 @@ def test_fewshot_and_label_loop_round_trip(client: Client) -> None:
     centres = rng.normal(size=(2, 64)) * 4
     vecs = np.concatenate([c + rng.normal(size=(10, 64)) * 0.3 for c in centres]).astype(np.float32)
     ids = np.arange(100, 120)
-    client.create_index("loop")
-    client.add("loop", ids, vectors=vecs)
-    first = client.select("loop", n=4, seed=1)
+    client.indexes.create("loop")
+    client.indexes.add("loop", ids, vectors=vecs)
+    first = client.indexes.select("loop", n=4, seed=1)
     assert len(first.ids) == 4 and set(first.ids.tolist()) <= set(ids.tolist()) and first.available == 20
-    fitted = client.fit("byid", ["a", "a", "b", "b"], index="loop", ids=[100, 101, 110, 111])
+    fitted = client.classifiers.fit("byid", ["a", "a", "b", "b"], index="loop", ids=[100, 101, 110, 111])
     assert fitted["classes"] == ["a", "b"] and fitted["n"] == 4
-    nxt = client.suggest("byid", "loop", n=3)
+    nxt = client.classifiers.suggest("byid", "loop", n=3)
     assert len(nxt.ids) == 3 and not {100, 101, 110, 111} & set(nxt.ids.tolist()) and nxt.uncertainty.shape == (3,)
-    page = client.predict_index("byid", "loop", limit=15, k=2)
+    page = client.classifiers.predict_index("byid", "loop", limit=15, k=2)
     assert page.total == 20 and len(page.items) == 15 and page.next_offset == 15
     assert page.class_counts == {"a": 10, "b": 10} and page.items[0].top[0].label == page.items[0].label
-    last = client.predict_index("byid", "loop", offset=page.next_offset, limit=15)
+    last = client.classifiers.predict_index("byid", "loop", offset=page.next_offset, limit=15)
     assert len(last.items) == 5 and last.next_offset is None
-    pred = client.predict("byid", embeddings=vecs[[0, 15]], k=2)
+    pred = client.classifiers.predict("byid", embeddings=vecs[[0, 15]], k=2)
     assert pred.labels == ["a", "b"] and pred.probabilities.min() > 0.5 and len(pred.top[0]) == 2
     imgs = [random_image(20 + i) for i in range(2)]
-    by_image = client.fit("img", ["x", "y"], images=imgs, lambd=1e-3)  # multipart: name is a text field
+    by_image = client.classifiers.fit("img", ["x", "y"], images=imgs, lambd=1e-3)  # multipart: name is a text field
     assert by_image["classes"] == ["x", "y"]
-    assert client.predict("img", images=imgs, k=1).labels == ["x", "y"]
-    assert client.fit("img", ["y", "x"], embeddings=client.embed(imgs).vectors, overwrite=True)["n"] == 2
-    assert client.classifier("img")["classes"] == ["x", "y"]
-    assert {"byid", "img"} <= {c["name"] for c in client.list_classifiers()}
-    assert client.delete_classifier("img") == {"deleted": "img"}
-    with pytest.raises(NotFound):
-        client.classifier("img")
+    assert client.classifiers.predict("img", images=imgs, k=1).labels == ["x", "y"]
+    again = client.classifiers.fit("img", ["y", "x"], embeddings=client.embeddings.create(imgs).vectors,
+                                   overwrite=True)
+    assert again["n"] == 2
+    assert client.classifiers.retrieve("img")["classes"] == ["x", "y"]
+    assert {"byid", "img"} <= {c["name"] for c in client.classifiers.list()}
+    assert client.classifiers.delete("img") == {"deleted": "img"}
+    with pytest.raises(NotFoundError):
+        client.classifiers.retrieve("img")
 
 
 def test_publish_and_reader_reload(srv: Server, client: Client, bundle_dir: Path) -> None:
-    client.create_index("shared")
-    client.add("shared", [1], vectors=np.ones(64))
-    assert "shared" in client.publish()["indexes"]
+    client.indexes.create("shared")
+    client.indexes.add("shared", [1], vectors=np.ones(64))
+    assert "shared" in client.snapshots.publish()["indexes"]
     reader = Server(bundle_dir, srv.data_dir, "--read-only", "--api-key-file", str(srv.data_dir.parent / "key"))
     reader.log_path = srv.data_dir.parent / "reader.log"
     reader.start()
     try:
         with Client(reader.url, api_key=KEY) as r:
-            assert r.index_stats("shared")["ntotal"] == 1
-            client.add("shared", [2], vectors=np.ones(64))
-            version = client.publish()["version"]
-            assert r.reload()["version"] == version and r.index_stats("shared")["ntotal"] == 2
-            assert r.snapshot_status()["serving"] == version
-            with pytest.raises(ClientError) as e:
-                r.add("shared", [3], vectors=np.ones(64))
-            assert e.value.status == 403 and "read-only" in e.value.message
-        with pytest.raises(Conflict, match="read-only replicas"):
-            client.reload()
+            assert r.indexes.retrieve("shared")["ntotal"] == 1
+            client.indexes.add("shared", [2], vectors=np.ones(64))
+            version = client.snapshots.publish()["version"]
+            assert r.snapshots.reload()["version"] == version and r.indexes.retrieve("shared")["ntotal"] == 2
+            assert r.snapshots.retrieve()["serving"] == version
+            with pytest.raises(PermissionDeniedError) as e:
+                r.indexes.add("shared", [3], vectors=np.ones(64))
+            assert e.value.status_code == 403 and "read-only" in e.value.message
+        with pytest.raises(ConflictError, match="read-only replicas"):
+            client.snapshots.reload()
     finally:
         reader.stop()
 
 
-def test_model_admin_calls(srv: Server, client: Client, bundle_dir: Path) -> None:
-    paths = httpx.get(f"{srv.url}/openapi.json", headers=AUTH).json()["paths"]
-    if "/admin/models/{name}" not in paths:
-        pytest.skip("this server has no /admin/models routes yet (several models per server not in this tree)")
-    client.put_model("second", str(bundle_dir))  # the same bundle under a second name
+def test_model_admin_calls(client: Client, bundle_dir: Path) -> None:
+    client.models.load("second", str(bundle_dir))  # the same bundle under a second name
     assert client.ready("second").ready and client.info("second")["model"] == "second"
+    cards = client.models.list()
+    assert [c.id for c in cards] == ["default", "second"] and cards[0].model_id == cards[1].model_id
     png = encode(random_image(5))
-    np.testing.assert_allclose(client.embed(png, model="second").vectors, client.embed(png).vectors, atol=1e-5)
-    client.delete_model("second")
+    np.testing.assert_allclose(client.embeddings.create(png, model="second").vectors,
+                               client.embeddings.create(png).vectors, atol=1e-5)
+    second = client.with_options(model="second")  # the default model of the calls that take one
+    assert second.embeddings.create_v1(png).model == cards[1].model_id and client.options.model is None
+    client.models.delete("second")
     with pytest.raises(APIStatusError) as e:
-        client.embed(png, model="second")
-    assert e.value.status in (404, 422) and "second" in e.value.message
+        client.embeddings.create(png, model="second")
+    assert e.value.status_code in (404, 422) and "second" in e.value.message
 
 
-# ---- retries ----------------------------------------------------------------------------------------------------
-def test_full_queue_503_is_retried_after_retry_after(bundle_dir: Path, tmp_path: Path) -> None:
-    """A long batching window holds a 2-image request in a 2-image queue, so the next request gets 503 until the
-    window closes: without retries that is the server's error, with them the request succeeds."""
-    s = Server(bundle_dir, tmp_path / "data", "--queue-size", "2", "--max-wait-ms", "1500", "--max-batch-size", "32")
-    s.start(expect_ready=False)
-    img = encode(random_image(1))
-    try:
-        with Client(s.url) as c:
-            first: list = []
-            held = threading.Thread(target=lambda: first.append(c.embed([img, img])))
-            held.start()
-            deadline = time.monotonic() + 10
-            while "msn_queue_depth 2.0" not in c.metrics():
-                assert time.monotonic() < deadline and held.is_alive(), "the first request never reached the queue"
-                time.sleep(0.01)
-            with Client(s.url, retry=NO_RETRY) as once, pytest.raises(ServiceUnavailable) as e:
-                once.embed(img)
-            assert "queue is full" in e.value.message and e.value.retry_after >= 1 and e.value.attempts == 1
-            t0 = time.monotonic()
-            got = c.embed(img)  # retried until the held batch has run
-            assert time.monotonic() - t0 >= 0.9 and got.vectors.shape == (1, 64)
-            held.join(10)
-            assert first[0].vectors.shape == (2, 64)
-            assert 'msn_errors_total{kind="queue_full"}' in c.metrics()
-    finally:
-        s.stop()
-
-
-class _Flaky:
-    """A stdlib HTTP server (not ours: it tests the client) answering 503 with ``retry_after`` ``fail`` times,
-    then 200; it records when each request came."""
-
-    def __init__(self, fail: int, retry_after: str | None):
-        import http.server
-
-        outer = self
-        self.times: list[float] = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.times.append(time.monotonic())
-                ok = len(outer.times) > fail
-                body = b'{"status": "ok"}' if ok else b'{"error": "busy, try later"}'
-                self.send_response(200 if ok else 503)
-                if not ok and retry_after is not None:
-                    self.send_header("Retry-After", retry_after)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def test_retry_waits_retry_after_and_is_bounded() -> None:
-    flaky = _Flaky(fail=1, retry_after="1")
-    try:
-        with Client(flaky.url) as c:
-            assert c.info() == {"status": "ok"}
-        assert len(flaky.times) == 2 and 0.95 <= flaky.times[1] - flaky.times[0] < 2.5
-    finally:
-        flaky.close()
-    always = _Flaky(fail=100, retry_after="100")
-    try:
-        with Client(always.url, retry=RetryPolicy(max_attempts=3, max_delay_s=0.05)) as c, \
-                pytest.raises(ServiceUnavailable) as e:
-            c.info()
-        assert e.value.attempts == 3 and len(always.times) == 3 and e.value.message == "busy, try later"
-        with Client(always.url, retry=RetryPolicy(max_attempts=10, max_total_s=5)) as c, \
-                pytest.raises(ServiceUnavailable) as e:
-            c.info()  # waiting 100 s would pass the total time allowed: given up at once
-        assert e.value.attempts == 1 and e.value.retry_after == 100
-    finally:
-        always.close()
-    backoff = _Flaky(fail=2, retry_after=None)
-    try:
-        with Client(backoff.url, retry=RetryPolicy(backoff_s=0.05)) as c:
-            assert c.info() == {"status": "ok"}
-        assert len(backoff.times) == 3 and backoff.times[2] - backoff.times[1] >= 0.09  # 0.05, then 0.1
-    finally:
-        backoff.close()
+def test_the_environment_gives_url_and_key(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MSN_BASE_URL`` / ``MSN_API_KEY`` are read when not passed; what is passed wins."""
+    monkeypatch.setenv("MSN_BASE_URL", srv.url)
+    monkeypatch.setenv("MSN_API_KEY", "not-the-key")
+    with Client() as from_env:
+        assert from_env.base_url == srv.url
+        with pytest.raises(AuthenticationError):
+            from_env.info()
+    with Client(api_key=KEY) as passed:
+        assert passed.info()["model_id"]
+    monkeypatch.setenv("MSN_BASE_URL", f"http://127.0.0.1:{free_port()}")
+    with Client(srv.url, api_key=KEY) as passed:
+        assert passed.health() == {"status": "ok"}
 
 
 def test_the_client_imports_nothing_of_the_server() -> None:
@@ -334,25 +276,62 @@ def test_the_client_imports_nothing_of_the_server() -> None:
                 assert top != "msn_serve" or name.startswith("msn_serve.client"), f"{path.name} imports {name}"
 
 
-def test_the_readme_example_runs_as_written(srv: Server, tmp_path: Path) -> None:
-    """The README's client example on two images written for it (the key of this module's server added)."""
-    import re
+# The README's client example (and docs/serving.md's) in a fresh interpreter where the server's stack cannot be
+# imported: what ``pip install 'msn[client]'`` leaves out must not be needed.
+BLOCKED = ("onnxruntime", "openvino", "faiss", "cyanure", "fastapi", "starlette", "uvicorn", "pydantic", "orjson",
+           "prometheus_client", "torch", "msn_core", "training", "visualizer")
+RUNNER = """
+import importlib.abc, json, sys
 
-    text = (REPO / "README.md").read_text()
-    marker = "<!-- tests/serve/test_client.py runs this block as written -->"
-    assert marker in text, "the README lost its client example"
-    code = re.match(r"\s*```python\n(.*?)```", text.split(marker, 1)[1], re.DOTALL).group(1)
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not installed with msn[client]")
+
+sys.meta_path.insert(0, Blocked())
+out = {}
+for path in sys.argv[1:]:
+    ns = {}
+    exec(compile(open(path).read(), path, "exec"), ns)
+    out[path] = {"ids": ns["hits"].ids.tolist(), "scores": ns["hits"].scores.tolist()}
+    if "masked" in ns:
+        out[path].update(shape=ns["masked"].vectors.shape, keep=ns["masked"].keep_idx[0].tolist())
+out["modules"] = sorted(m for m in sys.modules if m.startswith(("msn", "training", "visualizer")))
+print(json.dumps(out))
+"""
+
+
+def python_block(doc: str, marker: str) -> str:
+    text = (REPO / doc).read_text()
+    assert marker in text, f"{doc} lost its client example"
+    return re.match(r"\s*```python\n(.*?)```", text.split(marker, 1)[1], re.DOTALL).group(1)
+
+
+def test_the_doc_examples_run_with_only_the_clients_dependencies(srv: Server, tmp_path: Path) -> None:
+    """The README's block as written (``Client()``: URL and key from the environment) and docs/serving.md's (its
+    URL and key replaced), on two images written for them, against this module's server, with the server's
+    libraries unimportable."""
+    readme = python_block("README.md", "<!-- tests/serve/test_client.py runs this block as written -->")
+    serving = python_block("docs/serving.md", "<!-- tests/serve/test_client.py runs this block with its server's "
+                                              "URL and key -->")
+    call = 'Client("http://localhost:8000", api_key="..."'
+    assert call in serving
+    (tmp_path / "readme.py").write_text(readme)
+    (tmp_path / "serving.py").write_text(serving.replace(call, f"Client({srv.url!r}, api_key={KEY!r}"))
+    (tmp_path / "runner.py").write_text(f"BLOCKED = {BLOCKED!r}\n{RUNNER}")
     for i, name in enumerate(("cat.png", "dog.png")):
         Image.fromarray(random_image(40 + i)).save(tmp_path / name)
-        code = code.replace(f'"{name}"', repr(str(tmp_path / name)))
-    namespace: dict = {}
-    call = 'Client("http://localhost:8000")'
-    assert call in code
-    code = code.replace(call, f"Client({srv.url!r}, api_key={KEY!r})")
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
-    hits = namespace["hits"]
-    assert hits.ids.tolist() == [[1, 2]] and hits.scores[0, 0] > hits.scores[0, 1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MSN_")}
+    env.update({"MSN_BASE_URL": srv.url, "MSN_API_KEY": KEY, "PYTHONPATH": str(REPO)})
+    r = subprocess.run([sys.executable, "runner.py", "readme.py", "serving.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for doc in ("readme.py", "serving.py"):
+        assert out[doc]["ids"] == [[1, 2]] and out[doc]["scores"][0][0] > out[doc]["scores"][0][1], doc
     from msn_core.masks import resolve_mask
 
     kept = resolve_mask({"ratio": 0.7, "seed": 1}, 8)  # the tiny bundle's 8 x 8 patch grid
-    assert namespace["masked"].vectors.shape == (1, 64) and namespace["masked"].keep_idx[0].tolist() == kept.tolist()
+    assert out["readme.py"]["shape"] == [1, 64] and out["readme.py"]["keep"] == kept.tolist()
+    assert all(m == "msn_serve" or m.startswith("msn_serve.client") for m in out["modules"]), out["modules"]
+    assert "404" in r.stdout  # docs/serving.md's example caught the NotFoundError it shows

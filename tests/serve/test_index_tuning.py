@@ -5,7 +5,6 @@ million vectors belong to benchmarks/serving/serve_bench.py).
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import faiss
 import numpy as np
 import pytest
 
+from msn_core.gpu import CudaUnavailable
 from msn_serve.errors import ApiError
 from msn_serve.indexes import gpu as index_gpu
 from msn_serve.indexes.config import IndexConfig, search_params
@@ -141,13 +141,13 @@ def test_bad_auto_options_are_422(tmp_path: Path, spec, needle):
     assert e.value.status == 422 and needle in e.value.body()["error"]
 
 
-def test_device_cuda_without_a_gpu_falls_back_to_cpu_with_a_warning(tmp_path: Path, caplog):
+def test_device_cuda_without_a_gpu_is_refused_and_cpu_stores_still_work(tmp_path: Path):
     if index_gpu.gpu_count():
-        pytest.skip("a GPU is visible: the fallback cannot happen here")
-    index_gpu._warned = False
-    with caplog.at_level(logging.WARNING, logger="msn_serve.indexes.gpu"):
-        store = IndexStore(tmp_path, default_dim=8, model_id="m", device="cuda")
-    assert store.device == "cpu" and "FAISS indexes stay on the CPU" in caplog.text
+        pytest.skip("a GPU is visible: there is nothing to refuse here")
+    with pytest.raises(CudaUnavailable, match="--device cuda needs") as e:
+        IndexStore(tmp_path, default_dim=8, model_id="m", device="cuda")
+    assert ("faiss-gpu" in str(e.value)) != hasattr(index_gpu.faiss, "StandardGpuResources")
+    store = IndexStore(tmp_path, default_dim=8, model_id="m", device="cpu")
     idx = store.create("f", {})
     idx.add([1, 2], np.eye(2, 8, dtype=np.float32), None)
     assert idx.stats()["device"] == "cpu" and idx.search(np.eye(1, 8, dtype=np.float32), 1)[0][0]["id"] == 1

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 from serve_helpers import PREPROCESSING, Server, encode, random_image
 
@@ -79,9 +80,9 @@ def test_embed_routes_by_model(two: Server, server: Server, only_b: Server, bund
         r = c.post("/v1/embeddings", json={"model": "b", "input": [f"data:image/png;base64,{png}"]})
         assert r.status_code == 200 and r.json()["model"] == b
         assert np.abs(np.asarray(r.json()["data"][0]["embedding"]) - one_b[0]).max() <= 1e-5
-        listed = c.get("/v1/models").json()["data"]
-        assert [(m["id"], m["name"]) for m in listed] == [(a, "a"), (b, "b")]
-        assert c.get(f"/v1/models/{b}").json()["name"] == "b" and c.get("/v1/models/b").json()["id"] == b
+        listed = openai.OpenAI(base_url=f"{two.url}/v1", api_key="unused", max_retries=0).models.list().data
+        assert [(m.id, m.model_id) for m in listed] == [("a", a), ("b", b)]  # id: the served name
+        assert c.get(f"/v1/models/{b}").json()["id"] == "b" and c.get("/v1/models/b").json()["model_id"] == b
         meta = c.get("/v2/models/b").json()
         assert meta["name"] == b and meta["outputs"][0]["shape"] == [-1, 48]
         assert c.get(f"/v2/models/{a}").json()["parameters"]["model"] == "a"  # the default's id, as before
@@ -174,6 +175,13 @@ def test_replace_under_load_loses_nothing_then_delete(two: Server, bundle_dir: P
                 t.join(60)
         assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
         assert widths == {48, 64}
+        a_id = load_bundle_info(bundle_dir).model_id  # now served as both a and b: two ids, one model_id
+        listed = c.get("/v1/models").json()["data"]
+        assert [(m["id"], m["model_id"]) for m in listed] == [("a", a_id), ("b", a_id)]
+        url = "data:image/png;base64," + base64.b64encode(IMAGES[0]).decode()
+        ambiguous = c.post("/v1/embeddings", json={"model": a_id, "input": [url]})
+        assert ambiguous.status_code == 400 and "'a', 'b'" in ambiguous.json()["error"]["message"]
+        assert c.post("/v1/embeddings", json={"model": "b", "input": [url]}).json()["model"] == a_id
         assert c.get("/readyz", params={"model": "b"}).status_code == 200
         r = c.post("/index/ib/search", files=[("images", IMAGES[0])])  # b's old model id is served no more
         assert r.status_code == 409, r.text
@@ -185,13 +193,13 @@ def test_replace_under_load_loses_nothing_then_delete(two: Server, bundle_dir: P
         assert c.delete("/admin/models/c").status_code == 200
         last = c.delete("/admin/models/a")
         assert last.status_code == 409 and "only model" in last.json()["error"]
-        assert [m["name"] for m in c.get("/v1/models").json()["data"]] == ["a"]
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["a"]
 
 
 def test_one_unnamed_bundle_is_the_default_model(server: Server):
     """The one-bundle command line is unchanged; its model is called ``default``, and only it is listed."""
     with server.client() as c:
-        assert [m["name"] for m in c.get("/v1/models").json()["data"]] == ["default"]
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["default"]
         assert c.post("/embed", files={"image": IMAGES[0]}, data={"model": "default"}).status_code == 200
         text = c.get("/metrics").text
         assert "msn_ready 1.0" in text and 'model="default"' not in text  # no label with one model
@@ -208,12 +216,12 @@ def test_models_dir_and_sighup(bundle_dir: Path, bundle_b: Path, tmp_path: Path)
     srv = Server(bundle_b, tmp_path / "data", "--models-dir", str(models)).start()
     try:
         with srv.client() as c:
-            assert [m["name"] for m in c.get("/v1/models").json()["data"]] == ["default", "m1"]
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["default", "m1"]
             (models / "m2").symlink_to(bundle_b)
             (models / "m1").unlink()
             srv.proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 30
-            while [m["name"] for m in c.get("/v1/models").json()["data"]] != ["default", "m2"]:
+            while [m["id"] for m in c.get("/v1/models").json()["data"]] != ["default", "m2"]:
                 assert time.monotonic() < deadline, c.get("/v1/models").text
                 time.sleep(0.1)
             assert c.post("/embed", files={"image": IMAGES[0]}, data={"model": "m2"}).status_code == 200

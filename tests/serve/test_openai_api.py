@@ -90,13 +90,20 @@ def test_wire_format_is_openais(server: Server) -> None:
 
 
 def test_models_list(server: Server, client: openai.OpenAI) -> None:
+    """``id`` is the served name (what ``model`` takes; one unnamed bundle is ``default``), ``model_id`` the
+    bundle's; the bundle's id is still accepted as ``model`` while one served model has it."""
     models = client.models.list()
-    assert [m.id for m in models.data] == [model_id(server)]
+    assert [(m.id, m.model_id) for m in models.data] == [("default", model_id(server))]
     card = models.data[0]
     assert card.object == "model" and card.owned_by and card.created > 0
-    assert client.models.retrieve(model_id(server)).id == model_id(server)
-    with pytest.raises(openai.NotFoundError):
+    assert client.models.retrieve("default").model_id == model_id(server)
+    assert client.models.retrieve(model_id(server)).id == "default"
+    by_name = client.embeddings.create(model="default", input=[data_url(0)], encoding_format="float")
+    by_bundle = client.embeddings.create(model=model_id(server), input=[data_url(0)], encoding_format="float")
+    assert by_name.model == model_id(server) and by_name.data[0].embedding == by_bundle.data[0].embedding
+    with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4o")
+    assert "'default'" in e.value.body["message"]
 
 
 def test_errors_are_openais(server: Server, client: openai.OpenAI) -> None:
@@ -130,7 +137,7 @@ def test_auth_limits_and_url_inputs(keyed: Server) -> None:
     resp = good.embeddings.create(model=name, input=[data_url(1)], encoding_format="float")
     want, _ = embed_native(keyed, [data_url(1)], headers={"Authorization": f"Bearer {KEY}"})
     assert np.abs(np.asarray(resp.data[0].embedding) - want[0]).max() <= 1e-5
-    assert [m.id for m in good.models.list().data] == [name]
+    assert [m.id for m in good.models.list().data] == ["default"]
     bad = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError) as e:
         bad.embeddings.create(model=name, input=[data_url(1)])

@@ -1,13 +1,14 @@
-"""The chaos soak (``benchmarks/serving/serve_chaos.py``) for three minutes: real writer and replica processes, 64
-clients, writer kills, a full disk (a tmpfs, where this machine lets root mount one) and SIGHUPs at seeded moments.
+"""The chaos soak (``benchmarks/serving/serve_chaos.py``), short: real writer and replica processes, 24 clients in two
+processes, one writer kill, one full disk (a tmpfs, where this machine lets root mount one) and one SIGHUP at seeded
+moments over one minute. The 30-minute soak with 64 clients is the benchmark (docs/benchmarks.md, "Chaos soak").
 
 Asserted: every fault happened, no acknowledged write (add, delete, classifier fit) is missing from the writer after
 each restart or at the end, nor from the replica once it serves the final version; no 500 and no failure outside
 the windows where the writer is down; both servers outlived every SIGHUP and full disk. Latency and memory are
 reported by the soak, not asserted here (on a loaded 2-core machine they say more about the neighbours than about
 the service).
-Three minutes: each of the three kinds of fault needs a slot long enough for a restart on a loaded machine
-(about 25 s each for two kills, one full disk and two SIGHUPs), after a warm-up and before the final checks.
+One fault of each kind in a minute gives each a 15 s slot: a writer restart takes 2-3 s on an idle 2-core machine,
+so the slot holds one even while the rest of the suite runs beside it.
 """
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ from benchmarks.serving.chaos_report import classify
 
 
 @pytest.mark.slow
-def test_three_minute_chaos_soak_loses_no_acknowledged_write(tmp_path):
+def test_short_chaos_soak_loses_no_acknowledged_write(tmp_path):
     out = tmp_path / "chaos.json"
-    assert serve_chaos.main(["--minutes", "3", "--seed", "0", "--out", str(out)]) == 0
+    assert serve_chaos.main(["--minutes", "1", "--seed", "0", "--clients", "24", "--kills", "1", "--disk-fulls", "1",
+                             "--sighups", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     s = report["summary"]
-    assert s["kills"] >= 2 and s["sighups"] >= 2, report["events"]
+    assert s["kills"] == 1 and s["sighups"] == 1, report["events"]
     if report["full_disk_skipped"] is None:
         assert s["full_disk_episodes"] >= 1, report["events"]
         assert s["507_on_a_full_disk"] >= 1  # the fault reached the service: writes were refused, then went on

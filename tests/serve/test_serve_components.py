@@ -172,7 +172,7 @@ print('ok', len(app.routes))
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
 
 
-def test_fp16_variant_for_cuda_is_accurate_and_cuda_falls_back_to_cpu(bundle_dir: Path, tmp_path: Path):
+def test_fp16_variant_for_cuda_is_accurate_and_cuda_without_its_provider_is_refused(bundle_dir: Path, tmp_path: Path):
     """The CUDA path's fp16 conversion can be checked on CPU (ORT has fp16 CPU kernels); the GPU run itself
     needs onnxruntime-gpu and a GPU."""
     import onnxruntime as ort
@@ -186,6 +186,8 @@ def test_fp16_variant_for_cuda_is_accurate_and_cuda_falls_back_to_cpu(bundle_dir
     eng = Engine(info, intra_op_threads=1)
     eng.graph = OrtGraph(path, intra_op_threads=1)
     assert eng._fp16_close_enough()
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        fallback = Engine(info, device="cuda", intra_op_threads=1, cache_dir=tmp_path)
-        assert fallback.device == "cpu"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():  # no quiet CPU fallback for an explicit cuda
+        from msn_core.gpu import CudaUnavailable
+
+        with pytest.raises(CudaUnavailable, match="onnxruntime-gpu with its CUDA provider"):
+            Engine(info, device="cuda", intra_op_threads=1, cache_dir=tmp_path)

@@ -14,9 +14,9 @@ import torch
 
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, load_config
-from training.run.budget import BudgetReplanner, plan_budget, steps_for_budget
-from training.run.length import RunLength, RunPlan
-from training.run.schedules import ReplannedSchedules, Schedules
+from training.run.budget import BudgetResizer, calibrate_budget, steps_for_budget
+from training.run.length import RunLength, RunSchedule
+from training.run.schedules import ResizedSchedules, Schedules
 
 from .test_pretrain import _args, _env
 
@@ -44,8 +44,9 @@ def test_calibration_restores_weights_optimiser_and_rng():
         loss.backward()
         optimizer.step()
 
-    plan = plan_budget(step, [model], optimizer, budget_seconds=60, started_at=0.0, mask_generator=mask_generator)
-    assert plan.total_steps >= 1 and plan.seconds_per_step > 0
+    calibration = calibrate_budget(step, [model], optimizer, budget_seconds=60, started_at=0.0,
+                                   mask_generator=mask_generator)
+    assert calibration.total_steps >= 1 and calibration.seconds_per_step > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BN statistics too
     assert optimizer.state_dict()["state"] == {}
     assert torch.equal(torch.get_rng_state(), rng_before)
@@ -136,31 +137,31 @@ def test_warm_start_schedules_are_gentler():
         load_config(None, ["data.source=synthetic", "optim.warm_lr_scale=0"])
 
 
-# ------------------------------------------------------------------------------------- re-planning during the run
+# ------------------------------------------------------------------------------------- resizing during the run
 
 def _base(total: int, warmup: int) -> Schedules:
     return Schedules(total_steps=total, warmup_steps=warmup, start_lr=2e-4, ref_lr=1e-3, final_lr=1e-6,
                      ref_weight_decay=0.04, final_weight_decay=0.4, ema_start=0.99, ema_end=1.0, horizon_scale=1.0)
 
 
-def test_replanned_schedules_stretch_continuously_and_end_with_the_new_total():
+def test_resized_schedules_stretch_continuously_and_end_with_the_new_total():
     base = _base(1000, 100)
-    assert [ReplannedSchedules(base).at(i) for i in range(0, 1000, 37)] == [base.at(i) for i in range(0, 1000, 37)]
+    assert [ResizedSchedules(base).at(i) for i in range(0, 1000, 37)] == [base.at(i) for i in range(0, 1000, 37)]
     for new_total in (700, 1400):
-        s = ReplannedSchedules(base).replan(400, 1000).replan(500, new_total)  # a no-op re-plan, then a real one
+        s = ResizedSchedules(base).resize(400, 1000).resize(500, new_total)  # a no-op resize, then a real one
         assert s.total_steps == new_total and len(s.stretches) == 1
         assert [s.at(i) for i in range(500)] == [base.at(i) for i in range(500)]  # the past is untouched
         lrs = [s.at(i).lr for i in range(new_total)]
-        assert max(abs(a - b) for a, b in itertools.pairwise(lrs)) < 2e-5  # no jump at the re-plan
+        assert max(abs(a - b) for a, b in itertools.pairwise(lrs)) < 2e-5  # no jump at the resize
         assert lrs[-1] == pytest.approx(base.lr(999), rel=1e-6)  # the cosine ends on the new last step
         assert s.at(new_total - 1).ema_momentum == pytest.approx(base.ema_momentum(999), abs=1e-9)
-    # A re-plan inside warm-up keeps warm-up's steps and stretches only what follows it.
-    s = ReplannedSchedules(base).replan(50, 2000)
+    # A resize inside warm-up keeps warm-up's steps and stretches only what follows it.
+    s = ResizedSchedules(base).resize(50, 2000)
     assert [s.at(i).lr for i in range(101)] == [base.at(i).lr for i in range(101)]
     assert s.at(1999).lr == pytest.approx(base.lr(999), rel=1e-6)
-    assert ReplannedSchedules(base).replan(300, 300).total_steps == 300  # budget spent: stop here
+    assert ResizedSchedules(base).resize(300, 300).total_steps == 300  # budget spent: stop here
     with pytest.raises(ValueError):
-        ReplannedSchedules(base, ((500, 400),))
+        ResizedSchedules(base, ((500, 400),))
 
 
 class FakeClock:
@@ -171,87 +172,87 @@ class FakeClock:
         return self.now
 
 
-def _run_loop(plan: RunPlan, step_seconds, clock) -> list[float]:
-    """The training loop's use of a plan, with a step that only advances ``clock``; returns the lrs used."""
+def _run_loop(schedule: RunSchedule, step_seconds, clock) -> list[float]:
+    """The training loop's use of a schedule, with a step that only advances ``clock``; returns the lrs used."""
     step, lrs = 0, []
-    plan.start(step)
-    while step < plan.length.stop_at:
-        lrs.append(plan.schedules.at(step).lr)
+    schedule.start(step)
+    while step < schedule.length.stop_at:
+        lrs.append(schedule.schedules.at(step).lr)
         step_seconds(step)
         step += 1
-        plan.after_step(step)
+        schedule.after_step(step)
     return lrs
 
 
-def _budget_plan(budget: float, planned_total: int, clock, checkpoint_every: int = 1) -> RunPlan:
-    first = RunLength(planned_total, planned_total // 10, planned_total, "optim.budget_minutes")
-    replanner = BudgetReplanner.for_plan(budget, clock(), planned_total, min_window_steps=checkpoint_every,
+def _budget_schedule(budget: float, first_total: int, clock, checkpoint_every: int = 1) -> RunSchedule:
+    first = RunLength(first_total, first_total // 10, first_total, "optim.budget_minutes")
+    resizer = BudgetResizer.for_length(budget, clock(), first_total, min_window_steps=checkpoint_every,
                                          clock=clock)
-    return RunPlan(first, ReplannedSchedules(_base(planned_total, planned_total // 10)), None, replanner)
+    return RunSchedule(first, ResizedSchedules(_base(first_total, first_total // 10)), None, resizer)
 
 
 @pytest.mark.parametrize("name,seconds", [
-    ("faster after calibration", lambda i: 0.09),  # planned at 0.1 s/step: would end at 90 %
+    ("faster after calibration", lambda i: 0.09),  # calibrated at 0.1 s/step: would end at 90 %
     ("slower: decoding sets the pace", lambda i: 0.119),  # would end at 119 %
     ("doubles halfway", lambda i: 0.1 if i < 3000 else 0.2),
     ("checkpoint every 100 steps", lambda i: 0.08 + (2.0 if i % 100 == 99 else 0.0)),
 ])
 def test_budget_run_ends_within_three_percent_however_the_step_time_drifts(name, seconds):
     clock = FakeClock()
-    plan = _budget_plan(600.0, 6000, clock, checkpoint_every=100)  # calibration said 0.1 s/step
+    schedule = _budget_schedule(600.0, 6000, clock, checkpoint_every=100)  # calibration said 0.1 s/step
 
     def step(i: int) -> None:
         clock.now += seconds(i)
 
-    lrs = _run_loop(plan, step, clock)
+    lrs = _run_loop(schedule, step, clock)
     assert clock.now == pytest.approx(600.0, rel=0.03), name
-    assert plan.schedules.replans and plan.length.total_steps == len(lrs)
+    assert schedule.schedules.resizes and schedule.length.total_steps == len(lrs)
     assert lrs[-1] == pytest.approx(1e-6, rel=1e-3, abs=1e-8)  # every schedule still ends with the run
     assert max(abs(a - b) for a, b in itertools.pairwise(lrs)) < 1e-5
-    assert "re-plans" in plan.summary()
+    assert "resizes" in schedule.summary()
 
 
-def test_budget_plan_that_was_right_is_left_alone():
+def test_budget_schedule_that_was_right_is_left_alone():
     clock = FakeClock()
-    plan = _budget_plan(60.0, 600, clock)
+    schedule = _budget_schedule(60.0, 600, clock)
 
     def step(i: int) -> None:
         clock.now += 0.1 * (1.004 if i % 2 else 0.996)  # noise well inside the 1 % threshold
 
-    _run_loop(plan, step, clock)
-    assert plan.schedules.replans == () and plan.length.total_steps == 600
+    _run_loop(schedule, step, clock)
+    assert schedule.schedules.resizes == () and schedule.length.total_steps == 600
 
 
 def test_sleeping_step_whose_duration_changes_ends_on_time():
-    """The same on the wall clock: a step that sleeps 4 ms, then 9 ms; the plan assumed 5 ms for a 3 s budget."""
+    """The same on the wall clock: a step that sleeps 4 ms, then 9 ms; the schedule assumed 5 ms for a 3 s budget."""
     started = time.monotonic()
-    plan = _budget_plan(3.0, 600, time.monotonic)
-    _run_loop(plan, lambda i: time.sleep(0.004 if time.monotonic() - started < 1.5 else 0.009), time.monotonic)
+    schedule = _budget_schedule(3.0, 600, time.monotonic)
+    _run_loop(schedule, lambda i: time.sleep(0.004 if time.monotonic() - started < 1.5 else 0.009), time.monotonic)
     elapsed = time.monotonic() - started
-    assert elapsed == pytest.approx(3.0, rel=0.03), (elapsed, plan.schedules.replans)
+    assert elapsed == pytest.approx(3.0, rel=0.03), (elapsed, schedule.schedules.resizes)
 
 
-def test_stored_plan_rebuilds_the_same_schedules():
+def test_stored_length_rebuilds_the_same_schedules():
     clock = FakeClock()
-    plan = _budget_plan(600.0, 6000, clock)
-    _run_loop(plan, lambda i: setattr(clock, "now", clock.now + (0.1 if i < 2000 else 0.13)), clock)
-    entries = plan.checkpoint_entries()
-    assert entries["total_steps"] == plan.length.total_steps
+    schedule = _budget_schedule(600.0, 6000, clock)
+    _run_loop(schedule, lambda i: setattr(clock, "now", clock.now + (0.1 if i < 2000 else 0.13)), clock)
+    entries = schedule.checkpoint_entries()
+    assert entries["total_steps"] == schedule.length.total_steps
     assert entries["run_length"]["budget_seconds_used"] == pytest.approx(clock.now)
-    rebuilt = ReplannedSchedules(_base(entries["run_length"]["planned_total"], entries["run_length"]["warmup_steps"]),
-                                 tuple(tuple(r) for r in entries["run_length"]["replans"]))
-    assert all(rebuilt.at(i) == plan.schedules.at(i) for i in range(plan.length.total_steps))
+    rebuilt = ResizedSchedules(_base(entries["run_length"]["planned_total"], entries["run_length"]["warmup_steps"]),
+                               tuple(tuple(r) for r in entries["run_length"]["replans"]))
+    assert all(rebuilt.at(i) == schedule.schedules.at(i) for i in range(schedule.length.total_steps))
 
 
 def test_resumed_budget_spends_only_what_is_left():
     clock = FakeClock()
-    replanner = BudgetReplanner.for_plan(100.0, 0.0, 1000, used_before=60.0, clock=clock)
-    replanner.start(500)
+    resizer = BudgetResizer.for_length(100.0, 0.0, 1000, used_before=60.0, clock=clock)
+    resizer.start(500)
     clock.now = 2.0  # 20 steps at 0.1 s: 38 s left = 380 steps
-    replan = replanner.check(520, 1000)
-    assert replan is not None and replan.new_total == 520 + 380
+    resize = resizer.check(520, 1000)
+    assert resize is not None and resize.new_total == 520 + 380
     clock.now = 50.0  # past the budget: stop at the step reached
-    assert replanner.check(540, 900).new_total == 540
+    assert resizer.check(540, 900).new_total == 540
 
 
 @pytest.mark.slow  # the budget itself is 18 s
@@ -268,15 +269,15 @@ def test_real_budget_run_ends_within_three_percent(tmp_path):
 
 
 @pytest.mark.slow  # two pretraining processes
-def test_budget_resume_keeps_the_stored_replans(tmp_path):
-    # Planned for a minute, then told (on resume) that only 3 s are left: the resumed run re-plans to stop soon,
-    # keeps the first plan's total and warm-up, and stores its re-plan after the old ones.
+def test_budget_resume_keeps_the_stored_resizes(tmp_path):
+    # Planned for a minute, then told (on resume) that only 3 s are left: the resumed run resizes to stop soon,
+    # keeps the first length's total and warm-up, and stores its resize after the old ones.
     _pretrain(tmp_path, ["optim.budget_minutes=1", "run.max_steps=4"])
     first = load_checkpoint(tmp_path / "checkpoint.pt")
-    planned = first["run_length"]["planned_total"]
+    first_total = first["run_length"]["planned_total"]
     _pretrain(tmp_path, [f"optim.budget_minutes={(first['run_length']['budget_seconds_used'] + 3) / 60}"],
               resume=True)
     second = load_checkpoint(tmp_path / "checkpoint.pt")
-    assert second["run_length"]["planned_total"] == planned
+    assert second["run_length"]["planned_total"] == first_total
     assert second["run_length"]["warmup_steps"] == first["run_length"]["warmup_steps"]
-    assert second["run_length"]["replans"] and second["step"] == second["total_steps"] < planned
+    assert second["run_length"]["replans"] and second["step"] == second["total_steps"] < first_total

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -59,12 +61,16 @@ def guided_app_url(tiny_bundle: Path, tiny_guided_run: Path) -> Iterator[str]:
         demo.close()
 
 
-def _component(url: str, elem_id: str) -> dict:
-    """A component's properties as the served page receives them (Gradio's /config)."""
+def _config(url: str) -> dict:
+    """The components and endpoints as the served page receives them (Gradio's /config)."""
     import httpx
 
-    config = httpx.get(url + "config", timeout=30).json()
-    [props] = [c["props"] for c in config["components"] if c.get("props", {}).get("elem_id") == elem_id]
+    return httpx.get(url + "config", timeout=30).json()
+
+
+def _component(url: str, elem_id: str) -> dict:
+    """A component's properties as the served page receives them."""
+    [props] = [c["props"] for c in _config(url)["components"] if c.get("props", {}).get("elem_id") == elem_id]
     return props
 
 
@@ -147,6 +153,62 @@ def test_client_bad_upload_is_a_clear_error(client, tmp_path: Path) -> None:
     Image.fromarray(np.zeros((2, 2, 3), dtype=np.uint8)).save(tiny)
     with pytest.raises(Exception, match="at least 4 px"):
         client.predict(handle_file(str(tiny)), "random", 0.5, 0, 0.5, api_name="/load")
+
+
+@pytest.fixture(scope="module")
+def serve_url(tiny_bundle: Path, sample_png: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real msn-serve on the tiny bundle, with index ``pics`` of three images: ids 0 and 2 random, id 1 a copy
+    of ``sample_png``; metadata ``{"path": name}``."""
+    import httpx
+
+    from tests.serve.serve_helpers import Server
+
+    root = tmp_path_factory.mktemp("nn-pics")
+    rng = np.random.default_rng(1)
+    files = [root / "a.png", root / "picture.png", root / "b.png"]
+    for path in files[::2]:
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(path)
+    shutil.copy(sample_png, files[1])
+    server = Server(tiny_bundle, tmp_path_factory.mktemp("nn-serve") / "data").start()
+    try:
+        r = httpx.post(server.url + "/index/pics/add", timeout=60,
+                       data={"ids": "[0, 1, 2]", "metadata": json.dumps([{"path": p.name} for p in files])},
+                       files=[("images", (p.name, p.read_bytes())) for p in files])
+        assert r.status_code == 200, r.text
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_app_without_a_decoder_masks_and_finds_neighbours(tiny_bundle: Path, serve_url: str, sample_png: Path,
+                                                          tmp_path: Path) -> None:
+    from gradio_client import Client, handle_file
+
+    from visualizer.app import launch
+
+    shutil.copy(sample_png, tmp_path / "picture.png")  # the folder the index's relative paths are under
+    port = _free_port()
+    demo = launch(tiny_bundle, None, port=port, block=False, serve_url=serve_url)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        assert "No decoder" in _component(url, "decoder-info")["value"]
+        ids = {c.get("props", {}).get("elem_id") for c in _config(url)["components"]}
+        assert {"patch-grid", "mask-mode", "nn-btn"} <= ids
+        assert not ids & {"num-samples", "guidance", "sample-btn", "compare-btn", "samples"}  # no sampling controls
+        client = Client(url, verbose=False)
+        assert not {"/sample", "/compare"} & set(client.view_api(print_info=False, return_format="dict")["named_endpoints"])
+        image = handle_file(str(sample_png))
+        _, status = client.predict(image, "focal", 0.5, 0, 0.5, api_name="/load")
+        assert status == '16/64 patches kept (/embed mask {"focal": {"size": 4}})'
+        gallery, listing = client.predict(image, "random", 0.0, 0, 0.5, serve_url, "", "", str(tmp_path), 2,
+                                          api_name="/neighbours")
+        assert "Index `pics`, 64/64 patches kept" in listing and listing.count("id ") == 2
+        assert re.search(r"^1\. id 1 · ", listing, re.MULTILINE)  # the stored copy of the query image comes first
+        assert len(gallery) == 1 and Path(gallery[0]["image"]).name == "picture.png"  # the one file that is here
+        _, listing = client.predict(image, "random", 0.5, 0, 0.5, serve_url, "", "pics", "", 3, api_name="/neighbours")
+        assert "32/64 patches kept" in listing and listing.count("id ") == 3
+    finally:
+        demo.close()
 
 
 @pytest.mark.slow

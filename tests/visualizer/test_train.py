@@ -1,21 +1,25 @@
 """Decoder training: a few steps, the sample grid, exact resume, sampling from the run, what the checkpoint records
-(condition dropout, quality), the CLI, DDP."""
+(condition dropout, quality), the CLI (on a flat unlabelled folder too), DDP."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from msn_core.sources import list_images
 from tests.visualizer.conftest import TINY_OVERRIDES, tiny_config
 from visualizer.cli import main
 from visualizer.config import ConfigError
+from visualizer.data import split_holdout
 from visualizer.pipeline import RCDMPipeline, load_run
 from visualizer.train import train
 
@@ -114,6 +118,34 @@ def test_cli_refuses_guidance_the_decoder_was_not_trained_for(tiny_bundle: Path,
         main(["sample", "--bundle", str(tiny_bundle), "--decoder", str(tiny_run), "--image", str(sample_png),
               "--steps", "2", "--guidance-scale", "2", "--out", str(tmp_path / "grid.png")])
     assert not (tmp_path / "grid.png").exists()
+
+
+def test_cli_trains_on_a_flat_unlabelled_folder(tiny_bundle: Path, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "photos"  # a user's own images: no class folders, no val split
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(30):
+        Image.fromarray(rng.integers(0, 256, (36, 40, 3), dtype=np.uint8)).save(folder / f"img_{i:02d}.png")
+    train_part, held = split_holdout(list_images("folder", folder), 50)  # at most a tenth, chosen by name
+    assert held is not None and len(held) == 3 and len(train_part) == 27 and not set(held.names) & set(train_part.names)
+    assert split_holdout(list_images("folder", folder), 50)[1].names == held.names
+    overrides = [o for o in TINY_OVERRIDES if not o.startswith("data.source=")] + ["optim.max_steps=2"]
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="msn.visualize"):
+        assert main(["train", "--bundle", str(tiny_bundle), "--data", str(folder), "--output-dir", str(out),
+                     "--set", *overrides]) == 0
+    state = load_run(out)
+    assert state["step"] == 2 and (out / "samples" / "step_000002.png").is_file()
+    assert state["config"]["data"]["source"] == "auto" and state["config"]["data"]["root"] == str(folder)
+    quality = state["quality"]  # the label-free figure is measured; class consistency says why it is not
+    assert quality["class_consistency"] is None and quality["class_consistency_reason"].startswith("no labels")
+    assert quality["images"] == 3 and quality["held_out"].startswith("3 of the 30 images held out")
+    assert -1.0 <= quality["feature_similarity"] <= 1.0 and quality["feature_similarity_other"] is not None
+    assert '"class_consistency": null' in (out / "metrics.jsonl").read_text()
+    assert "class consistency not measured (no labels" in caplog.text
+    with pytest.raises(SystemExit, match="no such folder or file list"):
+        main(["train", "--bundle", str(tiny_bundle), "--data", str(tmp_path / "nope"), "--output-dir", str(out)])
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ A bundle is what serving and the visualizer read, never a training checkpoint::
 The schema of ``msn.json`` and the graph's input contract are :mod:`msn_core.bundle`'s; this module only makes the
 torch artefacts.
 
-The bundle is built in a staging directory and renamed into place only after ONNX Runtime reproduced the torch
-features (:mod:`training.bundle.files`, :mod:`training.bundle.onnx_graph`); checkpoints are read by
+The bundle is built in a staging directory and swapped into place (:func:`msn_core.durable.replace_dir`) only
+after ONNX Runtime reproduced the torch features (:mod:`training.bundle.onnx_graph`); checkpoints are read by
 :mod:`training.bundle.sources`.
 """
 
@@ -42,9 +42,10 @@ from msn_core.bundle import (
     load_bundle_info,
     write_bundle_info,
 )
+from msn_core.durable import replace_dir
 from msn_core.features import FEATURE_PATTERNS, check_feature
 from training.bundle import onnx_graph
-from training.bundle.files import ExportError, check_replaceable, save_weights, staging_dir
+from training.bundle.files import ExportError, check_replaceable, save_weights
 from training.bundle.quantize import QuantizationRefused, QuantizeOptions, data_source, quantize_bundle
 from training.bundle.quantize import add_arguments as add_quantize_arguments
 from training.bundle.quantize import options_from_args as quantize_options
@@ -99,7 +100,7 @@ def export_bundle(
     architecture = Architecture(name=arch, **kwargs)  # validated before the expensive part
     pre = Preprocessing.from_dict(complete_preprocessing(preprocessing, encoder.image_size))
     started = time.perf_counter()
-    with staging_dir(out_dir) as staging:
+    with replace_dir(out_dir) as staging:  # kill -9 never leaves half a bundle
         weights = save_weights(encoder, staging / WEIGHTS_FILE)
         graph = onnx_graph.EmbeddingGraph(encoder, feature).eval()
         onnx_graph.export_onnx(graph, staging / ONNX_FILE, opset)
@@ -138,7 +139,7 @@ def add_int8(bundle_dir: str | Path, options: QuantizeOptions) -> dict:
     directory, quantized and guarded there, and swapped in only if the guard passed."""
     bundle_dir = Path(bundle_dir)
     info = load_bundle_info(bundle_dir, need=(ONNX_FILE,))
-    with staging_dir(bundle_dir) as staging:
+    with replace_dir(bundle_dir) as staging:
         for path in bundle_dir.iterdir():
             if path.is_file() and (info.int8 is None or path.name != info.int8.file):
                 shutil.copy2(path, staging / path.name)

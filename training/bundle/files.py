@@ -1,18 +1,14 @@
-"""A bundle's files on disk: the atomic staging directory it is built in, and its safetensors weights.
+"""A bundle's files on disk: whether a path may be replaced by one, and its safetensors weights.
 
-A bundle is built in a temporary sibling directory and renamed into place only after every check passed, so a
-crash or a failed check never leaves a half-written or silently wrong bundle behind.
+:mod:`training.bundle.export` builds a bundle in :func:`msn_core.durable.replace_dir`'s staging directory and swaps
+it in only after every check passed, so a crash or a failed check never leaves a half-written or silently wrong
+bundle behind; :func:`check_replaceable` keeps that swap from replacing a directory that is not a bundle.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,11 +16,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from msn_core.bundle import META_FILE, WEIGHTS_FILE
-from msn_core.durable import fsync_path
 from training.checkpoint import file_sha256
 from training.model.vit import VisionTransformer, encoder_kwargs
 
-__all__ = ["ExportError", "check_replaceable", "save_weights", "staging_dir", "weights_digest"]
+__all__ = ["ExportError", "check_replaceable", "save_weights", "weights_digest"]
 
 
 class ExportError(RuntimeError):
@@ -36,34 +31,6 @@ def check_replaceable(out_dir: Path) -> None:
         raise ExportError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
         raise ExportError(f"{out_dir} exists and is not an MSN bundle (no {META_FILE}); refusing to replace it")
-
-
-@contextlib.contextmanager
-def staging_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out_dir``; on success fsync it and swap it into place, else delete it."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield staging
-        for path in staging.iterdir():  # mkdtemp makes a 0700 dir: bundles are read by other users (serving)
-            path.chmod(0o644)
-            fsync_path(path)
-        staging.chmod(0o755)
-        fsync_path(staging)
-        if out_dir.exists():  # a directory cannot be os.replace'd over a non-empty one: park the old bundle
-            retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, retired / "bundle")
-            try:
-                os.replace(staging, out_dir)
-            except BaseException:
-                os.replace(retired / "bundle", out_dir)
-                raise
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, out_dir)
-        fsync_path(out_dir.parent)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def weights_digest(state: dict[str, Tensor]) -> str:

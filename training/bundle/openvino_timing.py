@@ -10,7 +10,6 @@ it with, so the settings measured are the settings served.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import msn_core
+from msn_core.optional import available
 
 _TIMING = """
 import json, sys, time
@@ -44,7 +44,7 @@ print(json.dumps(len(pixels) / float(np.median(times))))
 def openvino_images_per_s(graph: Path, pixel_values: np.ndarray, num_patches: int, *, threads: int = 0,
                           seconds: float = 3.0) -> float | None:
     """Unmasked images/s of ``graph`` on OpenVINO's CPU plugin; None without OpenVINO or when it cannot run it."""
-    if importlib.util.find_spec("openvino") is None:
+    if not available("openvino"):
         return None
     keep = np.tile(np.arange(num_patches, dtype=np.int64), (len(pixel_values), 1))
     root = str(Path(msn_core.__file__).resolve().parents[1])  # msn_core importable however this one was found

@@ -17,6 +17,7 @@ import numpy as np
 
 from msn_core.lowshot import DEFAULT_LAMBD, LinearClassifier, center_and_normalize
 from msn_core.lowshot import fit_logistic as fit_cyanure
+from msn_core.optional import require
 
 __all__ = [
     "DEFAULT_LAMBD",
@@ -44,7 +45,7 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
                            seed=seed)
     if solver != "sklearn":
         raise ValueError(f"unknown solver {solver!r}; expected 'cyanure' or 'sklearn'")
-    from sklearn.linear_model import LogisticRegression
+    LogisticRegression = require("sklearn.linear_model", "the sklearn solver").LogisticRegression
 
     x, y = center_and_normalize(features), np.asarray(labels).astype(np.int64)
     if len(np.unique(y)) < 2:

@@ -1,18 +1,18 @@
-"""Steps that fit in a wall-clock budget, planned before the run and re-planned while it runs.
+"""Steps that fit in a wall-clock budget, counted before the run and resized while it runs.
 
-Users think in minutes and GPU-hours, not epochs. With ``optim.budget_minutes`` the run's length is planned twice
+Users think in minutes and GPU-hours, not epochs. With ``optim.budget_minutes`` the run's length is sized twice
 over:
 
-1. **Before the loop** ``training/run/length.py`` has ``plan_budget`` time a few real optimiser steps on batches
+1. **Before the loop** ``training/run/length.py`` has ``calibrate_budget`` time a few real optimiser steps on batches
    from the loader (every weight, optimiser moment and RNG stream is put back afterwards, so calibration leaves no
    trace) and keeps the step count that fits in what is left of the budget. Warm-up is fixed here, in steps.
 2. **During the loop** the step time drifts: it got faster after calibration on the demo (a 10-minute budget
-   ended after 9.0 minutes) and slower on a folder of PNGs, where decoding sets the pace. ``BudgetReplanner``
-   therefore looks again every 2 % of the planned run: from the rate of the recent steps, measured on the wall
+   ended after 9.0 minutes) and slower on a folder of PNGs, where decoding sets the pace. ``BudgetResizer``
+   therefore looks again every 2 % of the run's first length: from the rate of the recent steps, measured on the wall
    clock (data loading, logging and checkpoints included; the window spans at least one checkpoint interval),
    it computes the steps that fit in what is left of the budget. When that moves the end by more than 1 % the
-   run is re-planned to it, and the learning-rate, weight-decay and EMA schedules stretch or shrink to end there
-   (``training/run/schedules.py``, ``ReplannedSchedules``: continuous, warm-up untouched). Every re-plan is
+   run is resized to it, and the learning-rate, weight-decay and EMA schedules stretch or shrink to end there
+   (``training/run/schedules.py``, ``ResizedSchedules``: continuous, warm-up untouched). Every resize is
    logged. Ranks agree on the smallest count (the slowest rank sets the pace of a synchronous run).
 
 A run thus ends within about 1 % of its budget plus what the step time drifts in the last 2 % of the run
@@ -20,10 +20,10 @@ A run thus ends within about 1 % of its budget plus what the step time drifts in
 processes start: building the networks, calibration, the optimiser steps, checkpoints and logging. Evaluation and
 export come after it.
 
-The checkpoint stores the plan (``run_length``: the first plan's total and warm-up, every re-plan, the seconds of
+The checkpoint stores the length (``run_length``: the first length's total and warm-up, every resize, the seconds of
 budget used): ``--resume`` rebuilds the same schedules without measuring again and spends only what is left of the
-budget, re-planning from its own rate. A resumed run is bit-identical to an uninterrupted one given the same
-re-plans; re-plans follow the wall clock, which a second run does not repeat exactly.
+budget, resizing from its own rate. A resumed run is bit-identical to an uninterrupted one given the same
+resizes; resizes follow the wall clock, which a second run does not repeat exactly.
 """
 
 from __future__ import annotations
@@ -41,23 +41,23 @@ import torch
 from training import distributed as dist
 from training.checkpoint import capture_rng_state, restore_rng_state
 
-__all__ = ["BudgetPlan", "BudgetReplanner", "Replan", "plan_budget", "steps_for_budget"]
+__all__ = ["BudgetCalibration", "BudgetResizer", "Resize", "calibrate_budget", "steps_for_budget"]
 
 log = logging.getLogger("msn.train")
 
 # Steps timed after the untimed warm-up ones (allocator, thread pools, compilation); enough for a stable median.
 CALIBRATION_STEPS = 16
 WARMUP_STEPS = 3
-# During the run: look again every REPLAN_EVERY of the planned run, from the rate over at least RATE_WINDOW of it
-# (and at least one checkpoint interval, so checkpoints are averaged in), and re-plan when the end moves by more
-# than REPLAN_THRESHOLD of the run.
-REPLAN_EVERY = 0.02
+# During the run: look again every RESIZE_EVERY of the run's first length, from the rate over at least RATE_WINDOW
+# of it (and at least one checkpoint interval, so checkpoints are averaged in), and resize when the end moves by
+# more than RESIZE_THRESHOLD of the run.
+RESIZE_EVERY = 0.02
 RATE_WINDOW = 0.1
-REPLAN_THRESHOLD = 0.01
+RESIZE_THRESHOLD = 0.01
 
 
 @dataclass(frozen=True)
-class BudgetPlan:
+class BudgetCalibration:
     total_steps: int
     seconds_per_step: float
     calibration_seconds: float
@@ -76,9 +76,10 @@ def steps_for_budget(budget_seconds: float, elapsed_seconds: float, seconds_per_
     return max(1, math.floor(remaining / (seconds_per_step * (1.0 + overhead_fraction))))
 
 
-def plan_budget(step_fn: Callable[[int], None], modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                *, budget_seconds: float, started_at: float, mask_generator: torch.Generator | None = None,
-                overhead_fraction: float = 0.03) -> BudgetPlan:
+def calibrate_budget(step_fn: Callable[[int], None], modules: list[torch.nn.Module],
+                     optimizer: torch.optim.Optimizer, *, budget_seconds: float, started_at: float,
+                     mask_generator: torch.Generator | None = None,
+                     overhead_fraction: float = 0.03) -> BudgetCalibration:
     """Time ``step_fn`` (one full optimiser step on a fixed batch) and return the step count for the budget.
 
     The modules' and optimiser's states and the RNG streams are restored afterwards. ``started_at`` is the
@@ -104,12 +105,12 @@ def plan_budget(step_fn: Callable[[int], None], modules: list[torch.nn.Module], 
     elapsed = time.monotonic() - started_at
     total = steps_for_budget(budget_seconds, elapsed, seconds_per_step, overhead_fraction)
     total = dist.all_reduce_min_int(total)
-    return BudgetPlan(total, seconds_per_step, time.monotonic() - calibration_start)
+    return BudgetCalibration(total, seconds_per_step, time.monotonic() - calibration_start)
 
 
 @dataclass(frozen=True)
-class Replan:
-    """One re-plan, for the log: the new step count and what it was computed from."""
+class Resize:
+    """One resize, for the log: the new step count and what it was computed from."""
 
     step: int
     old_total: int
@@ -119,14 +120,14 @@ class Replan:
     budget_seconds: float
 
     def describe(self) -> str:
-        return (f"budget re-plan at step {self.step}: {self.seconds_used / 60:.2f} of "
+        return (f"budget resize at step {self.step}: {self.seconds_used / 60:.2f} of "
                 f"{self.budget_seconds / 60:.2f} min used, {self.seconds_per_step:.4f} s/step over the recent steps "
                 f"-> {self.new_total} steps (was {self.old_total})")
 
 
 @dataclass
-class BudgetReplanner:
-    """Re-plans a budget run's step count from its measured rate, at fixed steps of the run.
+class BudgetResizer:
+    """Resizes a budget run's step count from its measured rate, at fixed steps of the run.
 
     ``started_at`` is the ``clock()`` reading the budget counts from; a resumed run passes the seconds it used
     before as ``used_before``. Every rank must call ``check`` after every step (the checks all-reduce).
@@ -137,17 +138,17 @@ class BudgetReplanner:
     check_every: int
     window_steps: int
     used_before: float = 0.0
-    threshold: float = REPLAN_THRESHOLD
+    threshold: float = RESIZE_THRESHOLD
     clock: Callable[[], float] = time.monotonic
     _marks: deque[tuple[int, float]] = field(default_factory=deque, repr=False)
 
     @classmethod
-    def for_plan(cls, budget_seconds: float, started_at: float, planned_total: int, *, min_window_steps: int = 1,
-                 used_before: float = 0.0, clock: Callable[[], float] = time.monotonic) -> BudgetReplanner:
-        """Checks every ``REPLAN_EVERY`` of ``planned_total`` steps (fixed when the run is first planned, so a
-        resumed run checks at the same steps), rates over ``RATE_WINDOW`` of it or ``min_window_steps``."""
-        check_every = max(1, round(REPLAN_EVERY * planned_total))
-        window = max(check_every, round(RATE_WINDOW * planned_total), min(min_window_steps, planned_total // 4))
+    def for_length(cls, budget_seconds: float, started_at: float, first_total: int, *, min_window_steps: int = 1,
+                   used_before: float = 0.0, clock: Callable[[], float] = time.monotonic) -> BudgetResizer:
+        """Checks every ``RESIZE_EVERY`` of ``first_total`` steps (fixed when the run's length is first decided,
+        so a resumed run checks at the same steps), rates over ``RATE_WINDOW`` of it or ``min_window_steps``."""
+        check_every = max(1, round(RESIZE_EVERY * first_total))
+        window = max(check_every, round(RATE_WINDOW * first_total), min(min_window_steps, first_total // 4))
         return cls(budget_seconds, started_at, check_every, window, used_before, clock=clock)
 
     def seconds_used(self) -> float:
@@ -158,8 +159,8 @@ class BudgetReplanner:
         self._marks.clear()
         self._marks.append((step, self.clock()))
 
-    def check(self, step: int, total_steps: int) -> Replan | None:
-        """After step ``step`` (the count of steps taken): a re-plan when one is due and the end moved by more
+    def check(self, step: int, total_steps: int) -> Resize | None:
+        """After step ``step`` (the count of steps taken): a resize when one is due and the end moved by more
         than the threshold, else None. The returned total is at least ``step``: equal to it when the budget is
         spent, and the run stops there."""
         if step % self.check_every or not self._marks or step <= self._marks[-1][0]:
@@ -175,5 +176,5 @@ class BudgetReplanner:
         new_total = dist.all_reduce_min_int(step + fits)
         if abs(new_total - total_steps) <= max(self.threshold * total_steps, 1):  # a step either way is noise
             return None
-        return Replan(step, total_steps, new_total, seconds_per_step, self.used_before + now - self.started_at,
+        return Resize(step, total_steps, new_total, seconds_per_step, self.used_before + now - self.started_at,
                       self.budget_seconds)

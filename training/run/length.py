@@ -1,10 +1,10 @@
-"""How long a pretraining run is, and the schedules sized by it: decided before the loop, re-planned by a budget.
+"""How long a pretraining run is, and the schedules sized by it: decided before the loop, resized by a budget.
 
 A run's length is ``RunLength``: the schedules' total steps and warm-up steps, and the step the loop stops at.
 ``decide_run_length`` is the only place that reads ``optim.epochs``, ``optim.total_steps``,
 ``optim.budget_minutes``, ``optim.warmup_epochs`` and ``run.max_steps`` to fix it, in this order:
 
-1. a resumed checkpoint's stored plan (so ``--resume`` follows the same schedules, budget or not);
+1. a resumed checkpoint's stored length (so ``--resume`` follows the same schedules, budget or not);
 2. ``optim.total_steps``;
 3. ``optim.budget_minutes``: real optimiser steps on the first batch are timed (``training/run/budget.py``, which
    undoes them) with the schedules' starting values, and the steps that fit in the rest of the budget are kept;
@@ -14,9 +14,9 @@ Warm-up lasts ``warmup_epochs`` epochs (official) when the config counts the run
 budget it is the same fraction of the run, ``warmup_epochs / epochs``. ``build_schedules`` then turns the length
 into the cosine learning-rate, weight-decay and EMA schedules, which therefore end with the budget.
 
-``RunPlan`` is what the loop holds: the length and the schedules, and for a budget run the ``BudgetReplanner``
+``RunSchedule`` is what the loop holds: the length and the schedules, and for a budget run the ``BudgetResizer``
 that moves the end (and stretches the schedules) when the measured step time says the budget buys more or fewer
-steps. ``RunPlan.checkpoint_entries`` is what a checkpoint stores of it.
+steps. ``RunSchedule.checkpoint_entries`` is what a checkpoint stores of it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from training.config import Config
-from training.run.budget import BudgetReplanner, Replan, plan_budget
+from training.run.budget import BudgetResizer, Resize, calibrate_budget
 from training.run.build import Run
-from training.run.schedules import ReplannedSchedules, Schedules
+from training.run.schedules import ResizedSchedules, Schedules
 from training.run.step import start_hyperparameters, train_step
 
-__all__ = ["RunLength", "RunPlan", "build_schedules", "decide_run_length", "plan_run"]
+__all__ = ["RunLength", "RunSchedule", "build_schedules", "decide_run_length", "schedule_run"]
 
 log = logging.getLogger("msn.train")
 
@@ -51,16 +51,16 @@ class RunLength:
 
 
 def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunLength:
-    """The run's first plan, from a resumed checkpoint's entries (``RunPlan.checkpoint_entries``), the config,
+    """The run's first length, from a resumed checkpoint's entries (``RunSchedule.checkpoint_entries``), the config,
     or a timed budget. ``started_at`` is the ``time.monotonic()`` reading the budget counts from. With a budget
     this runs (and undoes) a few optimiser steps, so every rank must call it."""
     cfg, steps_per_epoch = run.cfg, run.steps_per_epoch
     optim = cfg.optim
-    first_plan = (stored or {}).get("run_length")
+    first_length = (stored or {}).get("run_length")
     stored_total = (stored or {}).get("total_steps")
-    if first_plan is not None:
-        total_steps, decided_by = first_plan["planned_total"], "checkpoint"
-    elif stored_total is not None:  # checkpoints written before re-planning stored only the count
+    if first_length is not None:
+        total_steps, decided_by = first_length["planned_total"], "checkpoint"
+    elif stored_total is not None:  # checkpoints written before resizing stored only the count
         total_steps, decided_by = stored_total, "checkpoint"
     elif optim.total_steps is not None:
         total_steps, decided_by = optim.total_steps, "optim.total_steps"
@@ -69,8 +69,8 @@ def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: fl
     else:
         total_steps, decided_by = optim.epochs * steps_per_epoch, "optim.epochs"
     counted_in_epochs = optim.total_steps is None and optim.budget_minutes is None
-    if first_plan is not None:
-        warmup_steps = first_plan["warmup_steps"]  # fixed when the run was first planned
+    if first_length is not None:
+        warmup_steps = first_length["warmup_steps"]  # fixed when the run's length was first decided
     elif counted_in_epochs:
         warmup_steps = int(optim.warmup_epochs * steps_per_epoch)
     else:
@@ -91,11 +91,12 @@ def _steps_in_budget(run: Run, started_at: float) -> int:
         out = train_step(run, hyper, next(batches)[0])
         out.metrics()  # the loop reads the step's metrics when it logs: the same host sync
 
-    plan = plan_budget(step, [run.online, run.target], run.optimizer,
-                       budget_seconds=60 * minutes, started_at=started_at, mask_generator=run.mask_generator)
+    calibration = calibrate_budget(step, [run.online, run.target], run.optimizer, budget_seconds=60 * minutes,
+                                   started_at=started_at, mask_generator=run.mask_generator)
     log.info("budget %.1f min: %.3f s/step measured over the first steps -> %d steps (%.0f images/s)",
-             minutes, plan.seconds_per_step, plan.total_steps, run.global_batch / plan.seconds_per_step)
-    return plan.total_steps
+             minutes, calibration.seconds_per_step, calibration.total_steps,
+             run.global_batch / calibration.seconds_per_step)
+    return calibration.total_steps
 
 
 def _cycle(loader):
@@ -122,24 +123,24 @@ def build_schedules(cfg: Config, length: RunLength) -> Schedules:
 
 
 @dataclass
-class RunPlan:
-    """The loop's length and schedules; a budget run's ``budget`` re-plans both while it runs.
+class RunSchedule:
+    """The loop's length and schedules; a budget run's ``budget`` resizes both while it runs.
 
     ``first`` is the length decided before the loop (its total and warm-up fix the base schedules); ``length``
     is the current one. ``after_step`` is called by every rank after every optimiser step.
     """
 
     first: RunLength
-    schedules: ReplannedSchedules
+    schedules: ResizedSchedules
     max_steps: int | None = None
-    budget: BudgetReplanner | None = None
+    budget: BudgetResizer | None = None
 
     @property
     def length(self) -> RunLength:
         total = self.schedules.total_steps
         decided_by = self.first.decided_by
-        if self.schedules.replans:
-            decided_by += f", re-planned {len(self.schedules.replans)}x"
+        if self.schedules.resizes:
+            decided_by += f", resized {len(self.schedules.resizes)}x"
         return replace(self.first, total_steps=total, stop_at=min(total, self.max_steps or total),
                        decided_by=decided_by)
 
@@ -148,15 +149,15 @@ class RunPlan:
         if self.budget is not None:
             self.budget.start(step)
 
-    def after_step(self, step: int) -> Replan | None:
-        """``step`` steps are done: re-plan when the budget says so (logged); returns the re-plan or None."""
+    def after_step(self, step: int) -> Resize | None:
+        """``step`` steps are done: resize when the budget says so (logged); returns the resize or None."""
         if self.budget is None:
             return None
-        replan = self.budget.check(step, self.schedules.total_steps)
-        if replan is not None:
-            self.schedules = self.schedules.replan(step, replan.new_total)
-            log.info(replan.describe())
-        return replan
+        resize = self.budget.check(step, self.schedules.total_steps)
+        if resize is not None:
+            self.schedules = self.schedules.resize(step, resize.new_total)
+            log.info(resize.describe())
+        return resize
 
     def summary(self) -> str:
         """How the budget was spent, for the run's last line ('' without a budget)."""
@@ -164,29 +165,31 @@ class RunPlan:
             return ""
         used, budget = self.budget.seconds_used(), self.budget.budget_seconds
         return (f"budget {budget / 60:.2f} min, used {used / 60:.2f} min ({100 * used / budget:.1f} %), "
-                f"{len(self.schedules.replans)} re-plans")
+                f"{len(self.schedules.resizes)} resizes")
 
     def checkpoint_entries(self) -> dict[str, Any]:
-        """``total_steps`` (the current length) and ``run_length`` (what rebuilds these schedules on resume)."""
+        """``total_steps`` (the current length) and ``run_length`` (what rebuilds these schedules on resume). The
+        keys keep the names they had before "plan" meant only the recipe, so earlier checkpoints still resume:
+        ``planned_total`` is the first length's total, ``replans`` the resizes."""
         return {"total_steps": self.schedules.total_steps, "run_length": {
             "planned_total": self.schedules.base.total_steps, "warmup_steps": self.schedules.warmup_steps,
-            "replans": [list(r) for r in self.schedules.replans],
+            "replans": [list(r) for r in self.schedules.resizes],
             "budget_seconds_used": self.budget.seconds_used() if self.budget is not None else None,
         }}
 
 
-def plan_run(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunPlan:
-    """The run's plan: a checkpoint's stored one (``stored``: its ``total_steps`` and ``run_length``), or a new
-    one (``decide_run_length``); with ``optim.budget_minutes``, a ``BudgetReplanner`` for what is left of it."""
+def schedule_run(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunSchedule:
+    """The run's schedule: a checkpoint's stored one (``stored``: its ``total_steps`` and ``run_length``), or a new
+    one (``decide_run_length``); with ``optim.budget_minutes``, a ``BudgetResizer`` for what is left of it."""
     cfg = run.cfg
     first = decide_run_length(run, stored=stored, started_at=started_at)
-    stored_plan = (stored or {}).get("run_length") or {}
-    replans = tuple((int(step), int(total)) for step, total in stored_plan.get("replans", ()))
-    schedules = ReplannedSchedules(build_schedules(cfg, first), replans)
+    recorded = (stored or {}).get("run_length") or {}
+    resizes = tuple((int(step), int(total)) for step, total in recorded.get("replans", ()))
+    schedules = ResizedSchedules(build_schedules(cfg, first), resizes)
     budget = None
     if cfg.optim.budget_minutes is not None:
-        budget = BudgetReplanner.for_plan(
+        budget = BudgetResizer.for_length(
             60 * cfg.optim.budget_minutes, started_at, first.total_steps,
             min_window_steps=cfg.run.checkpoint_every_steps,
-            used_before=stored_plan.get("budget_seconds_used") or 0.0)
-    return RunPlan(first, schedules, cfg.run.max_steps, budget)
+            used_before=recorded.get("budget_seconds_used") or 0.0)
+    return RunSchedule(first, schedules, cfg.run.max_steps, budget)

@@ -9,7 +9,7 @@ without the hardware.
 Nothing here is timed: every process of a ``torchrun`` job plans on its own before the processes meet, so the
 plan must come out the same on every rank, which a timing would not guarantee. The throughput is a rough figure
 from the hardware's kind (CPU vector extensions, GPU multiprocessors and generation); it only chooses the model
-size and the EMA's time constant, and a budget run re-plans its length from the real step time anyway.
+size and the EMA's time constant, and a budget run resizes its length from the real step time anyway.
 """
 
 from __future__ import annotations

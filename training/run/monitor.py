@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from msn_core.optional import require
 from training import distributed as dist
 from training.run.collapse import Collapse, CollapseDetector
 from training.run.probe import KnnProbe
@@ -58,6 +59,7 @@ class TrainingMonitor:
         if progress_bar:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
         if tensorboard:
+            require("tensorboard", "run.tensorboard=true")  # torch.utils.tensorboard's own error names no install
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))

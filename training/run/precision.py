@@ -26,7 +26,7 @@ def resolve_precision(requested: str, device: torch.device, cpu: CpuInfo | None 
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     if device.type == "cpu":
-        return "bf16" if (cpu or cpu_info()).bf16_native else "fp32"
+        return (cpu or cpu_info()).auto_precision
     return "fp32"
 
 

@@ -21,9 +21,9 @@ Step semantics (what the official loop actually applies at 0-based iteration ``i
 Beyond the horizon (only reachable with ``horizon_scale < 1``, where the official generators would raise
 ``StopIteration`` and the official cosine would climb back up) every schedule holds its final value.
 
-A budget run may change its length while it runs (``training/run/budget.py``): ``ReplannedSchedules`` keeps the
-``Schedules`` of the first plan and walks them faster or slower from each re-plan on, so every schedule still ends
-with the run and no value jumps. Warm-up stays in real steps. Without a re-plan it is ``Schedules`` exactly.
+A budget run may change its length while it runs (``training/run/budget.py``): ``ResizedSchedules`` keeps the
+``Schedules`` of the first length and walks them faster or slower from each resize on, so every schedule still ends
+with the run and no value jumps. Warm-up stays in real steps. Without a resize it is ``Schedules`` exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["ReplannedSchedules", "Schedules", "StepHyperparameters", "Stretch"]
+__all__ = ["ResizedSchedules", "Schedules", "StepHyperparameters", "Stretch"]
 
 
 @dataclass(frozen=True)
@@ -143,25 +143,25 @@ class Stretch:
 
 
 @dataclass(frozen=True)
-class ReplannedSchedules:
-    """``base`` (the first plan's schedules) after the re-plans ``replans``: ``(step, new total)`` pairs in order.
+class ResizedSchedules:
+    """``base`` (the schedules over the first length) after ``resizes``: ``(step, new total)`` pairs in order.
 
-    A re-plan at step ``s`` to ``T`` steps maps the real steps from ``max(s, warm-up)`` to ``T - 1`` onto what
+    A resize at step ``s`` to ``T`` steps maps the real steps from ``max(s, warm-up)`` to ``T - 1`` onto what
     was left of the base schedules (up to their last step), linearly: the learning-rate and weight-decay cosines and the EMA ramp stretch or
-    shrink to end on step ``T`` and stay continuous. The values are a pure function of the step and the re-plan
+    shrink to end on step ``T`` and stay continuous. The values are a pure function of the step and the resize
     list, which the checkpoint stores, so a resumed run computes the same values.
     """
 
     base: Schedules
-    replans: tuple[tuple[int, int], ...] = ()
+    resizes: tuple[tuple[int, int], ...] = ()
     stretches: tuple[Stretch, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         stretches: tuple[Stretch, ...] = ()
         previous = self.base.total_steps
-        for step, total in self.replans:
+        for step, total in self.resizes:
             if step < 0 or total < step:
-                raise ValueError(f"re-plan to {total} steps at step {step}: expected 0 <= step <= total")
+                raise ValueError(f"resize to {total} steps at step {step}: expected 0 <= step <= total")
             if total != previous:
                 stretches = _stretch(stretches, self.base, step, total)
             previous = total
@@ -169,7 +169,7 @@ class ReplannedSchedules:
 
     @property
     def total_steps(self) -> int:
-        return self.replans[-1][1] if self.replans else self.base.total_steps
+        return self.resizes[-1][1] if self.resizes else self.base.total_steps
 
     @property
     def warmup_steps(self) -> int:
@@ -182,9 +182,9 @@ class ReplannedSchedules:
     def at(self, step: int) -> StepHyperparameters:
         return self.base.at(self.position(step))  # type: ignore[arg-type]  # the schedules accept fractional steps
 
-    def replan(self, step: int, total_steps: int) -> ReplannedSchedules:
-        """These schedules re-planned at real step ``step`` (the next step to run) to end after ``total_steps``."""
-        return ReplannedSchedules(self.base, (*self.replans, (step, total_steps)))
+    def resize(self, step: int, total_steps: int) -> ResizedSchedules:
+        """These schedules resized at real step ``step`` (the next step to run) to end after ``total_steps``."""
+        return ResizedSchedules(self.base, (*self.resizes, (step, total_steps)))
 
 
 def _position(stretches: tuple[Stretch, ...], step: int) -> float:
@@ -195,7 +195,7 @@ def _position(stretches: tuple[Stretch, ...], step: int) -> float:
 
 
 def _stretch(stretches: tuple[Stretch, ...], base: Schedules, step: int, total: int) -> tuple[Stretch, ...]:
-    """The stretches after re-planning at ``step`` to ``total``; warm-up keeps its real steps when it can."""
+    """The stretches after resizing at ``step`` to ``total``; warm-up keeps its real steps when it can."""
     start = max(step, base.warmup_steps)
     if total <= start:  # the run now ends inside warm-up (or right here): shrink from this step
         start = step

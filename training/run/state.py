@@ -89,8 +89,8 @@ def restore_progress(state: dict[str, Any], *, steps_per_epoch: int, info: dist.
 class TrainState:
     """An MSN run's learnable state and schedule length; ``state_dict`` names every checkpoint key once.
 
-    ``length`` is the run's plan (``training.run.length.RunPlan``): its ``checkpoint_entries`` store the current
-    ``total_steps`` and the ``run_length`` behind it (the first plan's total and warm-up, a budget run's re-plans
+    ``length`` is the run's schedule (``training.run.length.RunSchedule``): its ``checkpoint_entries`` store the current
+    ``total_steps`` and the ``run_length`` behind it (the first length's total and warm-up, a budget run's resizes
     and the seconds of budget used), so a resumed run follows the same schedules. ``stored_length`` holds those
     entries as read from a checkpoint.
     """
@@ -117,7 +117,7 @@ class TrainState:
         self.target.encoder.load_state_dict(state["target_encoder"])
         self.target.head.load_state_dict(state["target_head"])
         self.optimizer.load_state_dict(state["optimizer"])
-        # total_steps is None in checkpoints written before budgets existed, run_length before re-planning
+        # total_steps is None in checkpoints written before budgets existed, run_length before resizing
         self.stored_length = {"total_steps": state.get("total_steps"), "run_length": state.get("run_length")}
 
 
