@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from msn_serve.client.options import NOT_GIVEN, NotGiven, Timeout
-from msn_serve.client.resource import Resource
+from msn_serve.client.resource import Resource, Rows, as_is
 from msn_serve.client.results import IdList, IndexPage, Predictions
 from msn_serve.client.wire import (
     Images,
@@ -18,12 +18,6 @@ from msn_serve.client.wire import (
     matrix,
     quoted,
 )
-
-Rows = list[dict[str, Any]]  # (aliases: a method named ``list`` hides the builtin in the class)
-
-
-def _same(body: Any) -> Any:
-    return body
 
 
 class ClassifiersAPI(Resource):
@@ -43,7 +37,7 @@ class ClassifiersAPI(Resource):
         fields = {"name": name, "labels": list(labels), "embeddings": matrix(embeddings), "index": index,
                   "ids": id_list(ids), "lambd": lambd, "overwrite": True if overwrite else None,
                   "mask": mask_spec(mask), "model": self._model(model)}
-        return self._do(image_call("POST", "/fewshot/fit", _same, imgs, fields,
+        return self._do(image_call("POST", "/fewshot/fit", as_is, imgs, fields,
                                    text_fields=("name", "index", "model"), idempotent=overwrite, timeout=timeout))
 
     def predict(self, name: str, *, images: Images | None = None, embeddings: Any = None, k: int = 5,
@@ -60,11 +54,11 @@ class ClassifiersAPI(Resource):
 
     def retrieve(self, name: str, *, timeout: Timeout | NotGiven = NOT_GIVEN) -> dict[str, Any]:
         """``GET /fewshot/{name}``: classes, sample count, lambda, model id."""
-        return self._do(json_call("GET", f"/fewshot/{quoted(name)}", _same, timeout=timeout))
+        return self._do(json_call("GET", f"/fewshot/{quoted(name)}", as_is, timeout=timeout))
 
     def delete(self, name: str, *, timeout: Timeout | NotGiven = NOT_GIVEN) -> dict[str, Any]:
         """``DELETE /fewshot/{name}``."""
-        return self._do(json_call("DELETE", f"/fewshot/{quoted(name)}", _same, timeout=timeout))
+        return self._do(json_call("DELETE", f"/fewshot/{quoted(name)}", as_is, timeout=timeout))
 
     def suggest(self, name: str, index: str, *, n: int = 20, strategy: str = "margin", seed: int = 0,
                 exclude_ids: Any = None, timeout: Timeout | NotGiven = NOT_GIVEN) -> IdList:

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from msn_serve.client.options import NOT_GIVEN, NotGiven, Timeout
-from msn_serve.client.resource import Resource
+from msn_serve.client.resource import Resource, Rows, as_is
 from msn_serve.client.results import IdList, SearchResult
 from msn_serve.client.wire import (
     Images,
@@ -19,12 +19,6 @@ from msn_serve.client.wire import (
     quoted,
 )
 
-Rows = list[dict[str, Any]]  # (aliases: a method named ``list`` hides the builtin in the class)
-
-
-def _same(body: Any) -> Any:
-    return body
-
 
 class IndexesAPI(Resource):
     def create(self, name: str, *, metric: Literal["ip", "l2"] | None = None,
@@ -36,7 +30,7 @@ class IndexesAPI(Resource):
         Not retried after a lost answer: a second send would be a 409 for an index the first one made."""
         fields = {"metric": metric, "type": type, "dim": dim, "normalize": normalize, "model": self._model(model),
                   **options}
-        return self._do(json_call("POST", f"/index/{quoted(name)}", _same, fields, idempotent=False,
+        return self._do(json_call("POST", f"/index/{quoted(name)}", as_is, fields, idempotent=False,
                                   timeout=timeout))
 
     def list(self, *, timeout: Timeout | NotGiven = NOT_GIVEN) -> Rows:
@@ -45,11 +39,11 @@ class IndexesAPI(Resource):
 
     def retrieve(self, name: str, *, timeout: Timeout | NotGiven = NOT_GIVEN) -> dict[str, Any]:
         """``GET /index/{name}``: its stats."""
-        return self._do(json_call("GET", f"/index/{quoted(name)}", _same, timeout=timeout))
+        return self._do(json_call("GET", f"/index/{quoted(name)}", as_is, timeout=timeout))
 
     def delete(self, name: str, *, timeout: Timeout | NotGiven = NOT_GIVEN) -> dict[str, Any]:
         """``DELETE /index/{name}``: the index and its files."""
-        return self._do(json_call("DELETE", f"/index/{quoted(name)}", _same, timeout=timeout))
+        return self._do(json_call("DELETE", f"/index/{quoted(name)}", as_is, timeout=timeout))
 
     def add(self, name: str, ids: Any, *, images: Images | None = None, vectors: Any = None,
             metadata: Sequence[Any] | None = None, mask: MaskInput = None,
@@ -59,7 +53,7 @@ class IndexesAPI(Resource):
         leaves the index as one add would (its counts then say ``replaced``)."""
         imgs = images_or_vectors(images, vectors, "vectors")
         fields = {"ids": id_list(ids), "vectors": matrix(vectors), "metadata": metadata, "mask": mask_spec(mask)}
-        return self._do(image_call("POST", f"/index/{quoted(name)}/add", _same, imgs, fields, timeout=timeout))
+        return self._do(image_call("POST", f"/index/{quoted(name)}/add", as_is, imgs, fields, timeout=timeout))
 
     def search(self, name: str, *, images: Images | None = None, vectors: Any = None, k: int = 10,
                nprobe: int | None = None, ef_search: int | None = None, mask: MaskInput = None,
@@ -73,7 +67,7 @@ class IndexesAPI(Resource):
 
     def delete_ids(self, name: str, ids: Any, *, timeout: Timeout | NotGiven = NOT_GIVEN) -> dict[str, Any]:
         """``POST /index/{name}/delete``: ``{"removed", "not_found", "ntotal"}``."""
-        return self._do(json_call("POST", f"/index/{quoted(name)}/delete", _same, {"ids": id_list(ids)},
+        return self._do(json_call("POST", f"/index/{quoted(name)}/delete", as_is, {"ids": id_list(ids)},
                                   timeout=timeout))
 
     def select(self, name: str, *, n: int = 20, strategy: str = "typical", seed: int = 0, exclude_ids: Any = None,

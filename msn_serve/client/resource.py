@@ -8,6 +8,13 @@ from typing import Any, Protocol
 from msn_serve.client.options import ClientOptions
 from msn_serve.client.wire import Call
 
+Rows = list[dict[str, Any]]  # (an alias: a method named ``list`` hides the builtin in its class)
+
+
+def as_is(body: Any) -> Any:
+    """The reply body unchanged: for calls whose answer is the server's JSON object."""
+    return body
+
 
 class Sender(Protocol):
     options: ClientOptions
