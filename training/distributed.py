@@ -50,8 +50,8 @@ def torch_problem(version: str, cuda_build: str | None, devices: int, driver: st
     """Why torch ``version`` (built for CUDA ``cuda_build``, None: the CPU build) cannot train on a GPU when it
     sees ``devices`` GPUs and the driver check said ``driver``; None when it can."""
     if cuda_build is None:
-        return (f"torch's CUDA build (this torch {version} is the CPU build): pip install --force-reinstall "
-                "torch==2.13.0 --index-url https://pypi.org/simple (PyPI's Linux wheel is the CUDA build)")
+        return (f"torch's CUDA build (this torch {version} is the CPU build): pip install torch==2.13.0 from "
+                "PyPI into a fresh environment (its Linux wheel of that version is the CUDA build)")
     if devices < 1:
         return f"a GPU torch {version} (CUDA {cuda_build}) can use: " + (driver or "torch.cuda finds none")
     return None
