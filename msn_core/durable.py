@@ -22,12 +22,14 @@ Appending (the index store's write-ahead log) builds on :func:`write_all` and :f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -169,17 +171,22 @@ def lock_data_dir(data_dir: Path, *, owner: str) -> int:
 #   .<name>.swap.json        the commit record: {"new": staging name, "old": aside path relative to P, "keep_old"}
 #
 # replace_dir: 1 mkdir + flock the staging directory; the caller writes into it. 2 fsync every file and directory
-# in it. (No old directory: rename it to the target, fsync P; done.) 3 write the record (atomic_write: fsync'd):
-# the commit point. 4 rename the target to the aside. 5 rename the staging directory to the target. 6 remove the
-# aside (unless kept). 7 unlink the record. Steps 4-7 are _finish, which recovery runs too; every step checks the
-# state it finds, so a crash during recovery is recovered the same way.
+# in it. (No old directory: rename it to the target, fsync P; done.) 3 write the record (atomic_write: fsync'd),
+# which also holds the staging directory's inode: the commit point. 4-5 exchange the staging directory and the
+# target in one ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+ on ext4, xfs, btrfs, tmpfs...): the path goes from the
+# old directory to the new one with no moment between; the staging name now holds the old one, which is moved to
+# the aside. Where the file system cannot exchange, 4 renames the target to the aside and 5 the staging directory
+# to the target. 6 remove the aside (unless kept). 7 unlink the record. Steps 4-7 are _finish, which recovery runs
+# too; every step checks the state it finds (the target holds the new directory when its inode is the recorded
+# one), so a crash during recovery is recovered the same way.
 #
 # What ``kill -9`` leaves, as the next recover_dir (every replace_dir starts with one; readers call it before
 # opening) puts it: before 3, the old directory (or none, if there was none) and an orphan staging directory,
 # removed once its flock is free; from 3 on, the swap is finished forward: the new one is whole (fsync'd before
-# the record was written), so the path gets it and the aside and the record go. Between 4 and 5 the path is empty
-# until then: whoever opens it calls recover_dir first. Concurrent swaps and recoveries in one parent are
-# serialised by a flock on the parent directory, held only for the record's steps.
+# the record was written), so the path gets it and the aside and the record go. With the exchange the path always
+# holds a whole directory, old or new; without it, it is empty between 4 and 5 until recovery (whoever opens it
+# calls recover_dir first). Concurrent swaps and recoveries in one parent are serialised by a flock on the parent
+# directory, held only for the record's steps.
 
 _SWAP_RE = re.compile(r"\.(?P<name>.+?)(?:\.(?P<tok>\d+-[0-9a-f]{8})\.swap-(?P<kind>new|old)|\.swap\.json)")
 # Test seam: called with each step's name ("staged", "written", "synced", "journaled", "aside", "placed",
@@ -190,6 +197,41 @@ _checkpoint: Callable[[str], None] | None = None
 def _step(name: str) -> None:
     if _checkpoint is not None:
         _checkpoint(name)
+
+
+# Set False to take the two-rename path where the file system could exchange (the tests cover both).
+use_exchange = True
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_renameat2: Callable[..., int] | None | bool = False  # False: not looked up yet
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap the directories at ``a`` and ``b``; False where the kernel, libc or file system cannot."""
+    global _renameat2
+    if not use_exchange or sys.platform != "linux":
+        return False
+    if _renameat2 is False:
+        import ctypes
+
+        _renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if _renameat2 is None:
+        return False
+    import ctypes
+
+    at_fdcwd = -100
+    if _renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def _flock(path: Path, *, blocking: bool) -> int | None:
@@ -294,7 +336,7 @@ def _commit(target: Path, staging: Path, keep_old: Path | None, replace: bool) -
         aside.parent.mkdir(parents=True)
         fsync_path(aside.parent.parent)
     atomic_write_json(_journal(target), {"new": staging.name, "old": os.path.relpath(aside, parent),
-                                         "keep_old": keep_old is not None})
+                                         "keep_old": keep_old is not None, "new_inode": _inode(staging)})
     _step("journaled")
     _finish(target)
 
@@ -310,7 +352,21 @@ def _finish(target: Path) -> None:
         journal.unlink()
         fsync_path(parent)
         return
-    if new.is_dir():
+    new_inode = record.get("new_inode")
+    placed = new_inode is not None and _inode(target) == new_inode  # exchanged: the staging name holds the old one
+    if new.is_dir() and not placed and os.path.lexists(target) and _exchange(new, target):
+        fsync_path(parent)
+        _step("placed")
+        placed = True
+    if new.is_dir() and placed:  # the old directory, under the staging name since the exchange
+        if os.path.lexists(old):
+            raise OSError(f"cannot finish replacing {target}: {old} is in the way")
+        os.rename(new, old)
+        fsync_path(parent)
+        if old.parent != parent:
+            fsync_path(old.parent)
+        _step("aside")
+    elif new.is_dir():
         if os.path.lexists(target):
             if os.path.lexists(old):
                 raise OSError(f"cannot finish replacing {target}: {old} is in the way")

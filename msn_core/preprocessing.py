@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 __all__ = ["ResizeCrop", "normalise", "preprocess_uint8", "resize_crop", "resize_plan", "to_mode", "transform_image"]
 
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")  # Pillow's Resampling names
+# Filters whose weights are continuous in the sample position: resampling only the crop window gives resize-then-crop
+# to within one grey level (float rounding of the window's position). ``nearest`` and ``box`` jump at a position, so
+# the same rounding can pick another source pixel: they resize the whole image and crop, as written.
+_CONTINUOUS = ("bicubic", "bilinear", "lanczos", "hamming")
 
 
 @dataclass(frozen=True)
@@ -51,9 +56,33 @@ def resize_plan(height: int, width: int, resize: int, crop: int) -> ResizeCrop:
     return ResizeCrop(new_h, new_w, (new_h - crop) // 2, (new_w - crop) // 2, crop)
 
 
+@lru_cache(maxsize=32)
+def _lut(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """``(C, 256)`` float32: the normalised value of every uint8 level, computed with the very float32 operations
+    of the array path, so a lookup returns the same bits (a test checks all 256 levels)."""
+    levels = np.arange(256, dtype=np.float32)[:, None] / 255.0
+    table = (levels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    table.flags.writeable = False
+    return np.ascontiguousarray(table.T)
+
+
 def normalise(image: Any, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
-    """uint8 HWC (or HW) image or array -> float32 CHW array, ``(x / 255 - mean) / std`` per channel."""
-    arr = np.asarray(image, dtype=np.float32) / 255.0
+    """uint8 HWC (or HW) image or array -> float32 CHW array, ``(x / 255 - mean) / std`` per channel.
+
+    uint8 input (every decoded upload) is looked up in a 256-entry table per channel, written straight into the
+    CHW output: one pass instead of convert, divide, subtract, divide and transpose (about half the time)."""
+    arr = np.asarray(image)
+    if arr.dtype == np.uint8 and arr.ndim in (2, 3):
+        hwc = arr[:, :, None] if arr.ndim == 2 else arr
+        lut = _lut(tuple(map(float, mean)), tuple(map(float, std)))
+        n_lut, n_img = lut.shape[0], hwc.shape[2]
+        if 1 not in (n_lut, n_img) and n_lut != n_img:  # the array path's broadcasting rule, and its error
+            raise ValueError(f"{n_lut} mean/std values for an image of {n_img} channels")
+        out = np.empty((max(n_lut, n_img), hwc.shape[0], hwc.shape[1]), dtype=np.float32)
+        for c in range(out.shape[0]):
+            np.take(lut[min(c, n_lut - 1)], hwc[:, :, min(c, n_img - 1)], out=out[c])
+        return out
+    arr = arr.astype(np.float32) / 255.0
     if arr.ndim == 2:
         arr = arr[:, :, None]
     mean_a, std_a = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
@@ -93,10 +122,12 @@ def resize_crop(im: Image.Image, pre: Preprocessing) -> Image.Image:
     w, h = im.size
     plan = resize_plan(h, w, pre.resize, pre.crop)
     nw, nh, top, left = plan.width, plan.height, plan.top, plan.left
-    if nw * nh > 16 * pre.crop * pre.crop:
-        # Extreme aspect ratios (say 1x40000) would resize to a huge strip only to throw most of it away.
-        # Pillow's ``box`` resamples just the crop window, still reading neighbours outside it for filter
-        # support, so the result equals resize-then-crop up to float rounding.
+    if (nw, nh) != (w, h) and (name in _CONTINUOUS or nw * nh > 16 * pre.crop * pre.crop):
+        # Pillow's ``box`` resamples just the crop window in one call, still reading neighbours outside it for
+        # filter support: the result equals resize-then-crop to within float rounding (one grey level, on a few
+        # pixels in a thousand; none for 224 -> 256 -> 224), at the cost of the window alone (a 224-px upload:
+        # 224x224 outputs instead of 256x256, and no crop copy). Extreme aspect ratios (say 1x40000) take this
+        # path with every filter: they would resize to a huge strip only to throw most of it away.
         sx, sy = nw / w, nh / h
         box = (left / sx, top / sy, (left + pre.crop) / sx, (top + pre.crop) / sy)
         return im.resize((pre.crop, pre.crop), resample=resample, box=box)

@@ -47,6 +47,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-page", int, "largest limit of a predict_index page (413 beyond)"),
     ("fit-workers", int, "few-shot fit worker processes (fits running at once)"),
     ("preprocess-threads", int, "threads decoding uploads (0 = 2 on cpu, every core on cuda)"),
+    ("preprocess-workers", int, "worker processes decoding uploads instead of threads (0 = threads)"),
     ("max-queued-fits", int, "fits waiting for a worker; beyond that 503 + Retry-After"),
     ("fit-timeout-s", float, "stop a fit after this many seconds (422)"),
     ("fit-threads", int, "threads of each fit"),

@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     # engine ran thousands), so every core.
     preprocess_threads: int = Field(0, ge=0, le=256, description="threads decoding and preprocessing uploads "
                                                                  "(0: 2 on cpu, every core on cuda)")
+    # Worker processes decode beside the event loop instead of threads inside it: no GIL shared with the HTTP
+    # parsing (docs/serving.md, "Front end", has the measurements behind the default).
+    preprocess_workers: int = Field(0, ge=0, le=256, description="worker processes decoding uploads instead of "
+                                                                 "threads (0: threads, --preprocess-threads)")
     max_queued_fits: int = Field(4, ge=0, description="fits waiting for a worker before new ones get 503")
     fit_timeout_s: float = Field(300.0, gt=0.0, description="a fit running longer is stopped (422)")
     # Connections (uvicorn): slow or idle clients cannot hold the server's sockets forever.

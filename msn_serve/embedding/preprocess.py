@@ -8,13 +8,19 @@ first, by an integer factor that keeps its shorter side at least twice ``resize`
 JPEGs in the decoder (``draft``, DCT scaling), others by box-averaging (``reduce``; numpy for 16-bit), and only then
 converted, so converting 16-bit or float pixels costs in proportion to the output, not to the upload. Every failure
 is a 4xx :class:`~msn_serve.errors.ApiError` naming the image.
+
+Decoding may run in worker processes (``--preprocess-workers``, :mod:`msn_serve.embedding.decode_pool`): the header
+checks and the request's pixel budget then run in the server (:func:`check_upload`, the same checks in the same
+order as :func:`decode_image`), and the worker repeats the per-image ones before it decodes.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import threading
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
@@ -47,35 +53,13 @@ class PixelBudget:
             self.left -= pixels
 
 
-def decode_image(data: bytes, *, max_pixels: int, what: str = "image", budget: PixelBudget | None = None,
-                 short_side: int = 0) -> Image.Image:
-    """Decode bytes into an upright PIL image, shrunk to no less than ``short_side`` on its shorter side if that
-    is given, or raise a 4xx :class:`ApiError`."""
-    if not data:
-        raise unprocessable(f"{what}: empty file")
+@contextlib.contextmanager
+def _image_errors(what: str) -> Iterator[None]:
+    """Pillow's many ways of failing on hostile bytes -> one 4xx :class:`ApiError` naming the image."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            im = Image.open(io.BytesIO(data))
-            w, h = im.size
-            if w < 1 or h < 1:
-                raise unprocessable(f"{what}: image has zero size {w}x{h}")
-            if w * h > max_pixels:
-                raise too_large(f"{what}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} "
-                                "(max_image_pixels)")
-            if budget is not None:
-                budget.take(w * h, what)
-            if getattr(im, "n_frames", 1) > 1:
-                im.seek(0)  # animated GIF/APNG/TIFF: the first frame is the image
-            if short_side and im.format == "JPEG" and min(w, h) >= 2 * short_side:
-                scale = short_side / min(w, h)  # the decoder scales by 1/2, 1/4 or 1/8, never below this size
-                im.draft(None, (math.ceil(w * scale), math.ceil(h * scale)))
-            orientation = im.getexif().get(0x0112, 1)
-            im.load()
-            if short_side:
-                im = shrink(im, short_side)
-            if orientation in _TRANSPOSE:
-                im = im.transpose(_TRANSPOSE[orientation])
+            yield
     except ApiError:
         raise
     except UnidentifiedImageError:
@@ -85,6 +69,48 @@ def decode_image(data: bytes, *, max_pixels: int, what: str = "image", budget: P
     except (OSError, ValueError, SyntaxError, EOFError, TypeError, IndexError) as e:
         # Pillow reports truncated/corrupt data as OSError/SyntaxError/ValueError depending on the codec.
         raise unprocessable(f"{what}: corrupt or truncated image ({e})") from None
+
+
+def _open_checked(data: bytes, max_pixels: int, what: str, budget: PixelBudget | None) -> Image.Image:
+    """The image's header, read and checked against the limits (nothing decoded yet)."""
+    if not data:
+        raise unprocessable(f"{what}: empty file")
+    im = Image.open(io.BytesIO(data))
+    w, h = im.size
+    if w < 1 or h < 1:
+        raise unprocessable(f"{what}: image has zero size {w}x{h}")
+    if w * h > max_pixels:
+        raise too_large(f"{what}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} (max_image_pixels)")
+    if budget is not None:
+        budget.take(w * h, what)
+    return im
+
+
+def check_upload(data: bytes, *, max_pixels: int, what: str = "image", budget: PixelBudget | None = None) -> None:
+    """:func:`decode_image`'s checks before decoding (format, size, limits, the request's budget), alone: what the
+    server does for an image that a worker process decodes."""
+    with _image_errors(what):
+        _open_checked(data, max_pixels, what, budget)
+
+
+def decode_image(data: bytes, *, max_pixels: int, what: str = "image", budget: PixelBudget | None = None,
+                 short_side: int = 0) -> Image.Image:
+    """Decode bytes into an upright PIL image, shrunk to no less than ``short_side`` on its shorter side if that
+    is given, or raise a 4xx :class:`ApiError`."""
+    with _image_errors(what):
+        im = _open_checked(data, max_pixels, what, budget)
+        w, h = im.size
+        if getattr(im, "n_frames", 1) > 1:
+            im.seek(0)  # animated GIF/APNG/TIFF: the first frame is the image
+        if short_side and im.format == "JPEG" and min(w, h) >= 2 * short_side:
+            scale = short_side / min(w, h)  # the decoder scales by 1/2, 1/4 or 1/8, never below this size
+            im.draft(None, (math.ceil(w * scale), math.ceil(h * scale)))
+        orientation = im.getexif().get(0x0112, 1)
+        im.load()
+        if short_side:
+            im = shrink(im, short_side)
+        if orientation in _TRANSPOSE:
+            im = im.transpose(_TRANSPOSE[orientation])
     return im
 
 

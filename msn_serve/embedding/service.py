@@ -1,8 +1,9 @@
 """Images (or preprocessed arrays) and their kept patches in, embeddings out: the engine behind the shared batches.
 
 Masks arrive already resolved to ``keep_idx`` rows (the HTTP layer resolves a client's mask specification, so a bad
-mask is a parsing error); this service decodes and transforms images in a small pool of its own (Pillow releases the
-GIL; two threads leave the cores to ONNX Runtime), sends ``(pixels, keep_idx)`` items through the
+mask is a parsing error); this service decodes and transforms images in a pool of its own
+(:class:`~msn_serve.embedding.decode_pool.DecodePool`: two threads on a CPU engine, which leave the cores to ONNX
+Runtime; worker processes with ``--preprocess-workers``), sends ``(pixels, keep_idx)`` items through the
 :class:`~msn_serve.embedding.batcher.Batcher`, and owns what readiness means: warmed up, and inference works.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ from msn_core.bundle import BundleInfo
 from msn_core.inference import available_cpus
 from msn_serve.config import Settings
 from msn_serve.embedding.batcher import Batcher
+from msn_serve.embedding.decode_pool import DecodePool
 from msn_serve.embedding.engine import InferenceEngine
-from msn_serve.embedding.preprocess import PixelBudget, preprocess_bytes
+from msn_serve.embedding.preprocess import PixelBudget
 from msn_serve.errors import ApiError, request_keep_idx, too_large, unprocessable
 from msn_serve.metrics import Metrics
 
@@ -54,7 +56,7 @@ class EmbeddingService:
         self.warmed = False
         self.warmup_error: str | None = None
         threads = settings.preprocess_threads or (available_cpus() if engine.device != "cpu" else 2)
-        self._pre_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="msn-pre")
+        self._pre_pool = DecodePool(workers=settings.preprocess_workers, threads=threads)
 
     def start(self) -> None:
         s = self.settings
@@ -78,7 +80,7 @@ class EmbeddingService:
     async def stop(self) -> None:
         if self.batcher is not None:
             await self.batcher.stop()
-        self._pre_pool.shutdown(wait=False)
+        self._pre_pool.shutdown()
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready = warmed up and the worker can run inference; after failures, probe with a real forward."""
@@ -104,11 +106,9 @@ class EmbeddingService:
 
     async def preprocess(self, images: list[ImageFile]) -> list[np.ndarray]:
         """Decode and transform images in the pre-processing pool, within one request's pixel budget."""
-        loop = asyncio.get_running_loop()
         pre, limit = self.info.preprocessing, self.settings.max_image_pixels
         budget = PixelBudget(self.settings.max_request_pixels)
-        tasks = [loop.run_in_executor(self._pre_pool, lambda d=d, w=w: preprocess_bytes(
-            d, pre, max_pixels=limit, what=w, budget=budget)) for w, d in images]
+        tasks = [self._pre_pool.run(d, pre, max_pixels=limit, what=w, budget=budget) for w, d in images]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for r in results:
             if isinstance(r, ApiError):

@@ -1,6 +1,6 @@
 """msn_core.durable's directory swap: ``kill -9`` at every step of :func:`replace_dir` leaves a path that
 :func:`recover_dir` makes whole (the old directory before the commit record, the new one from it on), and nothing
-else beside it.
+else beside it; with the atomic exchange the path is whole even before recovery.
 
 Each kill is real: a subprocess runs the swap with the module's test seam set to ``SIGKILL`` itself at one step.
 """
@@ -28,6 +28,7 @@ import os, signal, sys
 from pathlib import Path
 import msn_core.durable as d
 target, step, keep = Path(sys.argv[1]), sys.argv[2], sys.argv[3] or None
+d.use_exchange = sys.argv[4] == "1"
 def at(name):
     if name == step:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -53,29 +54,33 @@ def _content(path: Path) -> str:
     return values.pop() if sorted(files) == ["a.txt", "sub/b.txt"] and len(values) == 1 else f"broken: {files}"
 
 
-def _killed_at(target: Path, step: str, keep: Path | None = None) -> None:
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(target), step, str(keep or "")], cwd=REPO,
-                       capture_output=True, text=True, timeout=60, check=False)
+def _killed_at(target: Path, step: str, keep: Path | None = None, exchange: bool = True) -> None:
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(target), step, str(keep or ""), "1" if exchange else "0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == -signal.SIGKILL, (step, r.returncode, r.stderr[-2000:])
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 @pytest.mark.parametrize("step", BEFORE_COMMIT + AFTER_COMMIT)
-def test_a_kill_at_every_step_leaves_the_old_or_the_new_directory(tmp_path: Path, step: str):
+def test_a_kill_at_every_step_leaves_the_old_or_the_new_directory(tmp_path: Path, step: str, exchange: bool):
     target = tmp_path / "indexes" / "docs"
     _write(target, "old")
-    _killed_at(target, step)
-    if step == "aside":  # the one window where the path is empty: whoever opens it recovers first
+    _killed_at(target, step, exchange=exchange)
+    if exchange:  # one atomic renameat2: the path holds a whole directory at every kill, before any recovery
+        assert _content(target) in ("old", "new"), step
+    elif step == "aside":  # the two renames' one window where the path is empty: whoever opens it recovers first
         assert not target.exists()
     recover_dir(target)
     assert _content(target) == ("old" if step in BEFORE_COMMIT else "new")
     assert sorted(p.name for p in target.parent.iterdir()) == ["docs"]  # no staging, aside or record left
 
 
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 @pytest.mark.parametrize("step", ["synced", "journaled", "aside", "placed", "done"])
-def test_a_kept_old_directory_survives_every_kill(tmp_path: Path, step: str):
+def test_a_kept_old_directory_survives_every_kill(tmp_path: Path, step: str, exchange: bool):
     target, backup = tmp_path / "indexes" / "docs", tmp_path / "backups" / "docs.old-model"
     _write(target, "old")
-    _killed_at(target, step, keep=backup)
+    _killed_at(target, step, keep=backup, exchange=exchange)
     recover_dirs(target.parent)  # what a store does when it opens its folder
     if step in BEFORE_COMMIT:
         assert _content(target) == "old" and not backup.exists()

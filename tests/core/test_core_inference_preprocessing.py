@@ -53,6 +53,41 @@ def test_pillow_pipeline_follows_the_plan_and_normalises():
         resize_crop(Image.new("RGB", (8, 8)), Preprocessing(4, 4, (0,) * 3, (1,) * 3, interpolation="cubic"))
 
 
+def test_normalise_table_gives_the_formula_bits_for_every_level():
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    levels = np.arange(256, dtype=np.uint8)
+    image = np.stack([levels, levels[::-1], np.roll(levels, 7)], axis=1).reshape(16, 16, 3)
+    formula = ((image.astype(np.float32) / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32))
+    out = normalise(image, mean, std)
+    assert out.shape == (3, 16, 16) and out.flags.c_contiguous
+    assert np.array_equal(out.view(np.uint32), formula.transpose(2, 0, 1).view(np.uint32))
+    assert normalise(image[:, :, 0], mean, std).shape == (3, 16, 16)  # grey broadcast, as the formula does
+    with pytest.raises(ValueError, match="2 mean/std values for an image of 3 channels"):
+        normalise(image, (0.5, 0.5), (1.0, 1.0))
+
+
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear", "lanczos", "nearest", "box"])
+def test_resampling_the_crop_window_equals_resize_then_crop(interpolation: str):
+    """The window-only resample (one pass, the window's cost) against the definition written out."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    worst = 0
+    for h, w, resize, crop in [(224, 224, 256, 224), (240, 320, 256, 224), (97, 61, 40, 32), (500, 300, 36, 32)]:
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        plan = resize_plan(h, w, resize, crop)
+        resample = Image.Resampling[interpolation.upper()]
+        expected = np.asarray(image.resize((plan.width, plan.height), resample).crop(
+            (plan.left, plan.top, plan.left + crop, plan.top + crop)), dtype=np.int16)
+        got = np.asarray(resize_crop(image, Preprocessing(resize, crop, (0,) * 3, (1,) * 3,
+                                                          interpolation=interpolation)), dtype=np.int16)
+        assert got.shape == expected.shape == (crop, crop, 3)
+        worst = max(worst, int(np.abs(got - expected).max()))
+        if (h, w) == (224, 224):
+            assert worst == 0  # the common upload: bit-identical
+    assert worst <= (1 if interpolation in ("bicubic", "bilinear", "lanczos") else 0)
+
+
 def _graph(path: Path, first_input: str = "pixel_values") -> Path:
     """``embedding = [mean of each channel, largest kept index]``: (B,3,H,W) + (B,K) -> (B,4)."""
     import onnx

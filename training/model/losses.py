@@ -48,7 +48,7 @@ def sinkhorn(scores: Tensor, iterations: int = 3) -> Tensor:
     tiny = torch.finfo(scores.dtype).tiny
     q = scores.t().clone()  # (K, B_local)
     num_prototypes = q.shape[0]
-    batch = all_reduce_sum_(torch.tensor(float(q.shape[1]), dtype=q.dtype, device=q.device))
+    batch = all_reduce_sum_(q.new_full((), float(q.shape[1])))  # a fill: torch.tensor(..., device) syncs on CUDA
 
     q /= all_reduce_sum_(q.sum()).clamp_min(tiny)
     for _ in range(iterations):

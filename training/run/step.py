@@ -20,7 +20,8 @@ from training.model.msn import ema_update
 from training.run.build import Run
 from training.run.schedules import StepHyperparameters
 
-__all__ = ["StepOutput", "embedding_spread", "start_hyperparameters", "train_step", "usage_entropy"]
+__all__ = ["StepOutput", "Views", "embedding_spread", "make_views", "start_hyperparameters", "train_step",
+           "update", "usage_entropy"]
 
 
 @dataclass
@@ -48,12 +49,30 @@ def start_hyperparameters(cfg: Config) -> StepHyperparameters:
                                sharpen_temperature=cfg.loss.sharpen_start)
 
 
+@dataclass
+class Views:
+    """One step's inputs on the device: the augmented views and the anchor's kept patches (None: no masking)."""
+
+    target: Tensor
+    anchor: Tensor
+    focal: Tensor
+    keep_idx: Tensor | None
+
+
 def train_step(run: Run, hyper: StepHyperparameters, images: Tensor) -> StepOutput:
     """One MSN step on a uint8 batch with the given learning rate, weight decay, EMA momentum and sharpening."""
+    return update(run, hyper, make_views(run, images))
+
+
+def make_views(run: Run, images: Tensor) -> Views:
+    """The step's augmentation and mask: a separate function so that it can be timed (and later run ahead) alone.
+
+    Draws from the same RNG streams in the same order as always (kornia: torch's default generator; masks:
+    ``run.mask_generator``), so splitting the step here changes no result.
+    """
     cfg = run.cfg
     images = images.to(run.device, non_blocking=True)
-
-    # 1. views: target (unmasked), anchor (patch-dropped below), focal crops; no gradients through these
+    # target (unmasked), anchor (patch-dropped by keep_idx), focal crops; no gradients through these
     with torch.no_grad():
         target_views, anchor_views, focal_views = run.augment(images)
     if cfg.mask.share_target_view:
@@ -61,23 +80,29 @@ def train_step(run: Run, hyper: StepHyperparameters, images: Tensor) -> StepOutp
     keep_idx = None
     if cfg.mask.ratio > 0:
         num_patches = (cfg.model.image_size // cfg.model.patch_size) ** 2
+        # non_blocking: a blocking copy from pageable host memory waits for the whole CUDA stream every step
         keep_idx = random_keep_idx(images.shape[0], num_patches, cfg.mask.ratio, shared=cfg.mask.shared,
-                                   generator=run.mask_generator).to(run.device)
+                                   generator=run.mask_generator).to(run.device, non_blocking=True)
+    return Views(target_views, anchor_views, focal_views, keep_idx)
 
-    # 2. hyper-parameters: the schedules are pure functions of the step, so a resumed run sees the same values
+
+def update(run: Run, hyper: StepHyperparameters, views: Views) -> StepOutput:
+    """Forward, loss, backward, AdamW and EMA on views already made (:func:`make_views`)."""
+    cfg = run.cfg
+    # hyper-parameters: the schedules are pure functions of the step, so a resumed run sees the same values
     for group in run.optimizer.param_groups:
         group["lr"] = hyper.lr
         if not group["wd_exclude"]:
             group["weight_decay"] = hyper.weight_decay
 
-    # 3. forward: online anchors (masked + focal) vs. EMA target; the loss itself runs in fp32
+    # forward: online anchors (masked + focal) vs. EMA target; the loss itself runs in fp32
     with run.autocast():
-        anchor_z, prototypes = run.model(anchor_views, keep_idx, focal_views)
+        anchor_z, prototypes = run.model(views.anchor, views.keep_idx, views.focal)
         with torch.no_grad():
-            target_z = run.target(target_views)
+            target_z = run.target(views.target)
     loss, terms = run.criterion(anchor_z, target_z, prototypes, hyper.sharpen_temperature)
 
-    # 4. update: clip the encoder + head (not the prototypes), AdamW step, EMA of the target's parameters
+    # update: clip the encoder + head (not the prototypes), AdamW step, EMA of the target's parameters
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.online.net.parameters(), cfg.optim.clip_grad)
