@@ -14,6 +14,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -96,9 +97,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run(port: int, requests: list[bytes], concurrency: int, total: int, procs: int = 1,
-        server_pid: int | None = None) -> dict:
+        server_pid: int | None = None, server_cpu: Callable[[], float] | None = None) -> dict:
     """``concurrency`` single-image clients (one connection each) over ``procs`` processes, released together;
-    ``total`` requests, cycling through ``requests``. Reports images/s, latency percentiles and CPU seconds."""
+    ``total`` requests, cycling through ``requests``. Reports images/s, latency percentiles and CPU seconds (the
+    server's from ``server_cpu`` when given, e.g. a process with its workers, else ``server_pid``'s own)."""
+    if server_cpu is None and server_pid:
+        server_cpu = lambda: cpu_seconds(server_pid)
     procs = max(1, min(procs, concurrency))
     ctx = get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(procs, mp_context=ctx) as pool:
@@ -110,7 +114,7 @@ def run(port: int, requests: list[bytes], concurrency: int, total: int, procs: i
             gate.wait(GATE_TIMEOUT_S)
         except threading.BrokenBarrierError:
             pass  # a client process failed: f.result() below raises its error
-        server_cpu0 = cpu_seconds(server_pid) if server_pid else None
+        server_cpu0 = server_cpu() if server_cpu else None
         results = [f.result() for f in futures]
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     lat = np.asarray([x for r in results for x in r["lat"]])
@@ -118,7 +122,7 @@ def run(port: int, requests: list[bytes], concurrency: int, total: int, procs: i
            "errors": sum(r["errors"] for r in results), "images_per_s": total / wall,
            "p50_ms": float(1e3 * np.percentile(lat, 50)), "p99_ms": float(1e3 * np.percentile(lat, 99)),
            "client_cpu_s": round(sum(r["cpu_s"] for r in results), 3), "wall_s": round(wall, 3)}
-    if server_pid:
-        out["server_cpu_s"] = round(cpu_seconds(server_pid) - server_cpu0, 3)
+    if server_cpu:
+        out["server_cpu_s"] = round(server_cpu() - server_cpu0, 3)
         out["server_cpu_ms_per_image"] = 1e3 * out["server_cpu_s"] / total
     return out

@@ -17,17 +17,19 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 import numpy as np
 
 from msn_core.bundle import Preprocessing
-from msn_serve.embedding.preprocess import PixelBudget, check_upload, preprocess_bytes
+from msn_core.preprocessing import normalise
+from msn_serve.embedding.preprocess import PixelBudget, check_upload, preprocess_bytes, resized_bytes
 from msn_serve.errors import ApiError
 
 __all__ = ["DecodePool"]
 
 
 def _decode_in_worker(data: bytes, pre: Preprocessing, max_pixels: int, what: str) -> np.ndarray | tuple[int, str]:
-    """One image in a worker process: the array, or ``(status, message)`` of its 4xx (``ApiError``'s signature
-    does not survive pickling, so the server rebuilds it)."""
+    """One image in a worker process: its resized uint8 crop (a quarter of the float32 bytes to send back; the
+    server normalises it with a table lookup), or ``(status, message)`` of its 4xx (``ApiError``'s signature does
+    not survive pickling, so the server rebuilds it)."""
     try:
-        return preprocess_bytes(data, pre, max_pixels=max_pixels, what=what)
+        return np.asarray(resized_bytes(data, pre, max_pixels=max_pixels, what=what))
     except ApiError as e:
         return e.status, e.message
 
@@ -64,7 +66,7 @@ class DecodePool:
         out = await loop.run_in_executor(self._executor, _decode_in_worker, data, pre, max_pixels, what)
         if isinstance(out, tuple):
             raise ApiError(*out)
-        return out
+        return normalise(out, pre.mean, pre.std)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

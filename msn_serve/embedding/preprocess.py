@@ -134,10 +134,16 @@ def shrink(im: Image.Image, short_side: int) -> Image.Image:
 def preprocess_bytes(data: bytes, pre: Preprocessing, *, max_pixels: int, what: str = "image",
                      budget: PixelBudget | None = None) -> np.ndarray:
     """The full pipeline for one uploaded file; raises 4xx :class:`ApiError` on bad input."""
+    return normalise(resized_bytes(data, pre, max_pixels=max_pixels, what=what, budget=budget), pre.mean, pre.std)
+
+
+def resized_bytes(data: bytes, pre: Preprocessing, *, max_pixels: int, what: str = "image",
+                  budget: PixelBudget | None = None) -> Image.Image:
+    """:func:`preprocess_bytes` up to the normalisation: the ``crop`` x ``crop`` RGB (or L) image."""
     im = decode_image(data, max_pixels=max_pixels, what=what, budget=budget, short_side=2 * pre.resize)
     try:
         im = to_mode(im, pre.channels)
         im = resize_crop(im, pre)
     except (OSError, ValueError) as e:
         raise unprocessable(f"{what}: cannot convert image ({e})") from None
-    return normalise(im, pre.mean, pre.std)
+    return im

@@ -428,3 +428,29 @@ def test_metrics_exposes_requests_queue_batches_tokens(http):
                    'msn_kept_tokens_bucket{le="32.0"}', "msn_inference_seconds", "msn_ready 1.0",
                    'msn_errors_total{kind="http_422"}'):
         assert needle in text, needle
+
+
+def _batches(http) -> tuple[float, float]:
+    """(batches run, images in them) from ``/metrics``' ``msn_batch_size`` histogram."""
+    found = {}
+    for line in http.get("/metrics").text.splitlines():
+        for name in ("msn_batch_size_count", "msn_batch_size_sum"):
+            if line.startswith(name):
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found["msn_batch_size_count"], found["msn_batch_size_sum"]
+
+
+def test_several_images_of_one_request_make_one_batch(http, local):
+    """Every image of a request enters the batcher together (one submit), not one round trip per image: with no
+    other traffic, one request of n images is one batch of n, for ``/embed`` and ``/v1/embeddings`` alike."""
+    imgs = [encode(random_image(s, 40 + s, 48)) for s in range(5)]
+    count0, images0 = _batches(http)
+    r = http.post("/embed", files=[("images", (f"{i}.png", b, "image/png")) for i, b in enumerate(imgs)])
+    np.testing.assert_allclose(_emb(r)[3], local(imgs[3]), atol=1e-4)
+    count1, images1 = _batches(http)
+    assert (count1 - count0, images1 - images0) == (1, 5)
+    urls = ["data:image/png;base64," + base64.b64encode(b).decode() for b in imgs[:3]]
+    r = http.post("/v1/embeddings", json={"input": urls, "model": "msn"})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 3
+    assert _batches(http) == (count1 + 1, images1 + 3)

@@ -1,0 +1,169 @@
+"""The serving front end alone: ``/embed`` of 224-px JPEGs through the real HTTP stack, engine replaced by an
+INSTANT ENGINE (a benchmark instrument returning zeros; :mod:`benchmarks.serving.instant_engine`).
+
+Why: a GPU engine embeds thousands of images/s, so what bounds HTTP throughput is the CPU work per image around it
+(HTTP, multipart, decode, resize, normalise, response). This measures that work on any machine: images/s at 64
+clients, and the **server's CPU-seconds** (the server process and every descendant, e.g. decode workers, read from
+``/proc`` at the start and end of the timed part; the load generator's CPU is not counted) -> images per server
+CPU-second; then the server pinned to 1 core and to 2 cores (``os.sched_setaffinity`` on it and its workers), for
+threads (``--preprocess-threads``) and worker processes (``--preprocess-workers``).
+
+    python -m benchmarks.serving.frontend_bench                      # the measurement (machine alone)
+    python -m benchmarks.serving.frontend_bench --seconds 2 --clients 4 --out /tmp/fe.json   # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, machine, save_json
+from benchmarks.serving import http_load
+from benchmarks.serving.instant_engine import RUNTIME
+from benchmarks.serving.serve_harness import start_server
+from msn_core.bundle import Architecture, BundleInfo, Preprocessing, write_bundle_info
+
+ENGINE = "instant-engine (benchmark instrument: returns zeros at once; the front end alone is measured)"
+
+
+def instant_bundle(out: Path) -> Path:
+    """A ViT-S/16 224-px bundle's ``msn.json`` (resize 256, crop 224) and an empty ``model.onnx`` nothing reads."""
+    out.mkdir(parents=True, exist_ok=True)
+    info = BundleInfo("frontend-bench-instant", Architecture("vit_small", 224, 16, 384, 12, 6),
+                      Preprocessing(256, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+    write_bundle_info(out, info)
+    (out / "model.onnx").write_bytes(b"")
+    return out
+
+
+def jpegs(n: int, seed: int = 0) -> list[bytes]:
+    """224x224 photos-like JPEGs of about 25 KB: smooth colour fields with grain."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        base = Image.fromarray(rng.integers(0, 256, (14, 14, 3), dtype=np.uint8)).resize((224, 224),
+                                                                                          Image.Resampling.BICUBIC)
+        grain = rng.normal(0, 9, (224, 224, 3))
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(np.asarray(base) + grain, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=85)
+        out.append(buf.getvalue())
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            todo += _children(p)
+        except OSError:
+            pass
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (decode workers included)."""
+    total = 0.0
+    for p in tree(pid):
+        try:
+            total += http_load.cpu_seconds(p)
+        except OSError:
+            pass  # exited between listing and reading
+    return total
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    for p in tree(pid):
+        for task in Path(f"/proc/{p}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cores)
+            except OSError:
+                pass
+
+
+def measure(bundle: Path, data: Path, requests: list[bytes], *, cores: set[int], workers: int, clients: int,
+            seconds: float, client_procs: int) -> dict:
+    """One server, pinned to ``cores``, with ``workers`` decode processes (0: as many threads as cores)."""
+    decode = ["--preprocess-workers", str(workers)] if workers else ["--preprocess-threads", str(len(cores))]
+    args = ["--max-batch-size", "64", "--max-wait-ms", "2", "--queue-size", "4096", *decode]
+    proc, url = start_server(bundle, data, args, launcher=["-m", "benchmarks.serving.instant_engine"])
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        time.sleep(0.5 if workers else 0)  # the workers finish starting (they are spawned with the pool)
+        pin(proc.pid, cores)
+        probe = http_load.run(port, requests, clients, max(clients * 2, 64), client_procs,
+                              server_cpu=lambda: tree_cpu_seconds(proc.pid))
+        total = max(clients * 2, int(probe["images_per_s"] * seconds))
+        r = http_load.run(port, requests, clients, total, client_procs,
+                          server_cpu=lambda: tree_cpu_seconds(proc.pid))
+        r["server_processes"] = len(tree(proc.pid))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    r.update(cores=len(cores), decode=f"{workers} worker processes" if workers else f"{len(cores)} threads",
+             images_per_server_cpu_s=round(r["requests"] / r["server_cpu_s"], 1) if r["server_cpu_s"] else None,
+             images_per_s=round(r["images_per_s"], 1))
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=20.0, help="timed part of each configuration")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--client-procs", type=int, default=2, help="load-generator processes")
+    ap.add_argument("--cores", default="1,2", help="server core counts to measure (the first N allowed cores)")
+    ap.add_argument("--modes", default="threads,processes", help="threads and/or processes (one worker per core)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "frontend_bench.json")
+    a = ap.parse_args()
+    allowed = sorted(os.sched_getaffinity(0))
+    requests = [http_load.embed_request("127.0.0.1", j) for j in jpegs(16)]
+    sizes = [len(j) for j in jpegs(16)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = instant_bundle(Path(tmp) / "bundle")
+        for n in [int(c) for c in a.cores.split(",")]:
+            if n > len(allowed):
+                print(f"skipping {n} cores: only {len(allowed)} allowed here")
+                continue
+            for mode in a.modes.split(","):
+                r = measure(bundle, Path(tmp) / f"data-{n}-{mode}", requests, cores=set(allowed[:n]),
+                            workers=n if mode == "processes" else 0, clients=a.clients, seconds=a.seconds,
+                            client_procs=a.client_procs)
+                rows.append(r)
+                print(f"[{RUNTIME}] {n} core(s), {r['decode']}: {r['images_per_s']} images/s, "
+                      f"{r['server_cpu_s']} server CPU-s for {r['requests']} -> {r['images_per_server_cpu_s']} "
+                      f"images per server CPU-second; p50 {r['p50_ms']:.1f} ms, errors {r['errors']}")
+    scaling = {}
+    for mode in ("threads", "processes"):
+        by = {r["cores"]: r["images_per_s"] for r in rows if r["decode"].endswith(mode)}
+        if 1 in by and 2 in by:
+            scaling[mode] = round(by[2] / by[1], 2)
+            print(f"2 cores / 1 core, {mode}: {scaling[mode]}x")
+    save_json(a.out, {"benchmark": "frontend_bench", "engine": ENGINE, "request": "POST /embed, one 224x224 JPEG",
+                      "jpeg_bytes_mean": round(float(np.mean(sizes))), "clients": a.clients,
+                      "seconds": a.seconds, "rows": rows, "scaling_2_over_1_core": scaling,
+                      "note": "the load generator runs on the same machine; its CPU is not counted as the server's",
+                      "machine": machine()})
+
+
+if __name__ == "__main__":
+    main()
