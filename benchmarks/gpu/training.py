@@ -8,7 +8,13 @@ already on the GPU, its data pipeline excluded as its own step timer excludes it
 the official code has none). MFU = model FLOPs per image (counted on our step) x images/s / the bf16 matrix
 product peak measured in the same run; the fp32 rows also against the fp32 (TF32-off) peak.
 
+``breakdown`` (per precision, :mod:`benchmarks.training.step_breakdown`) splits our step into the whole step,
+the step on views made beforehand (what the official row times) and the augmentation alone, with syncs per step
+and a profiler trace on CUDA (``<out stem>-profile/``): the like-for-like ratio is ``step_on_views`` against the
+official step.
+
     python -m benchmarks.gpu.training --official /tmp/msn-gpu/payload/official_msn --out training.json
+    python -m benchmarks.gpu.training --device cpu --batch 8 --steps 4 --official DIR --out /tmp/t.json  # real model
     python -m benchmarks.gpu.training --quick --device cpu --out /tmp/t.json      # dry run: tiny, on the CPU
 """
 from __future__ import annotations
@@ -22,34 +28,37 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, machine, save_json
-from benchmarks.training.train_throughput import (
-    COMMON,
-    PRESETS,
-    matmul_ceiling,
-    run_once,
-    split_preset,
-    step_flops,
-)
+from benchmarks.training.step_breakdown import for_device, measure
+from benchmarks.training.train_throughput import COMMON, PRESETS, matmul_ceiling, run_once, split_preset
 
 QUICK_CPU = ["model.arch=vit_tiny", "model.patch_size=16", "model.image_size=64", "mask.focal_size=32",
              "mask.num_focal=2", "data.load_size=64", "data.batch_size=2", "data.num_workers=0",
              "run.max_steps=3", "run.log_every_steps=1", "run.device=cpu"]
 
 
-def ours(overrides: list[str], precision: str) -> dict:
+def ours(overrides: list[str], precision: str, steps: int, warmup: int, profile_dir: Path, quick: bool,
+         profile: bool) -> tuple[dict, dict]:
+    """The trainer's row (a child process, data loading and logging included) and the in-process breakdown
+    (profiled when ``profile``: one precision is enough, a CUDA trace is large and the profiler slow)."""
     config, items = split_preset(overrides)
     items = items + ["mask.ratio=0.15", f"run.precision={precision}"]
     with tempfile.TemporaryDirectory() as tmp:
         row = run_once(config, items, Path(tmp))
-    flops, batch = step_flops(config, items)
-    return {"implementation": "ours", "precision": precision, "batch": batch, **row,
-            "gflop_per_image": flops / batch / 1e9}
+    parts = measure(config, items, steps=steps, warmup=warmup, out=profile_dir, tag=precision,
+                    profile_steps=(1 if quick else 2) if profile else 0, sync_steps=1 if quick else 2)
+    row = {"implementation": "ours", "precision": precision, "batch": parts["batch"], **row,
+           "gflop_per_image": parts["gflop_per_image"]}
+    return row, parts
 
 
-def official(root: Path, device: str, precision: str, quick: bool, timeout: float) -> dict:
+def official(root: Path, device: str, precision: str, quick: bool, timeout: float, batch: int, steps: int,
+             warmup: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.gpu.official_step", "--official", str(root), "--device", device,
            "--precision", precision]
-    cmd += ["--model", "deit_tiny", "--batch", "2", "--focal", "2", "--steps", "1", "--warmup", "1"] if quick else []
+    if quick:
+        cmd += ["--model", "deit_tiny", "--batch", "2", "--focal", "2", "--steps", "1", "--warmup", "1"]
+    else:
+        cmd += ["--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         return {"implementation": "official", "precision": precision, "error": proc.stderr[-1500:]}
@@ -64,22 +73,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--quick", action="store_true", help="tiny model on the CPU: proves the harness")
     ap.add_argument("--timeout", type=float, default=240, help="seconds for each official run")
-    ap.add_argument("--max-steps", type=int, default=40, help="our trainer's steps per row (GPU)")
+    ap.add_argument("--steps", "--max-steps", type=int, default=40,
+                    help="our trainer's steps per row; timed steps of the official row and of each breakdown "
+                         "phase: the smaller of this and 30 / 10 (a few on a CPU: ViT-S/16 takes seconds a step)")
+    ap.add_argument("--batch", type=int, default=64, help="per-process batch, ours and the official alike")
     a = ap.parse_args(argv)
-    overrides = QUICK_CPU if a.quick else PRESETS["gpu-s16"] + [f"run.max_steps={a.max_steps}"]
+    timed = 1 if a.quick else min(a.steps, 10)  # breakdown calls per phase
+    warmup = 1 if a.quick else min(3, max(1, a.steps // 4))
+    if a.quick:
+        overrides = QUICK_CPU
+    else:
+        log_every = max(1, min(10, a.steps // 4))  # several logged windows, the first (warm-up) left out
+        overrides = for_device(PRESETS["gpu-s16"], a.device, a.batch) + [f"run.max_steps={a.steps}",
+                                                                           f"run.log_every_steps={log_every}"]
+    profile_dir = a.out.with_name(a.out.stem + "-profile")
     result: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": overrides,
-                    "common": COMMON, "ceilings_gflops": {}, "rows": []}
+                    "common": COMMON, "ceilings_gflops": {}, "rows": [], "breakdown": {}}
     sizes = (256, 512) if a.quick else None
     for p in ("bf16", "fp32"):
         result["ceilings_gflops"][p] = matmul_ceiling(a.device, p, sizes, 0.2 if a.quick else 1.0) / 1e9
     save_json(a.out, result)
     for precision in a.precisions:
-        rows = [ours(overrides, precision)]
+        row, parts = ours(overrides, precision, timed, warmup, profile_dir, a.quick, precision == a.precisions[0])
+        rows = [row]
         if a.official is None or not (a.official / "src").is_dir():
             rows.append({"implementation": "official", "precision": precision,
                          "skipped": "no official sources (python -m benchmarks.gpu.pack puts them in the payload)"})
         else:
-            rows.append(official(a.official, a.device, precision, a.quick, a.timeout))
+            rows.append(official(a.official, a.device, precision, a.quick, a.timeout, a.batch,
+                                 min(a.steps, 30), warmup if a.steps < 30 else 5))
+        if "step_s_median" in rows[1]:  # like for like: both steps on views already made
+            parts["official_s_per_step"] = rows[1]["step_s_median"]
+            parts["speedup_on_views_vs_official"] = rows[1]["step_s_median"] / parts["phases"]["step_on_views"][
+                "s_per_step"]
+        result["breakdown"][precision] = parts
+        print(json.dumps({"breakdown": precision, **{k: v["s_per_step"] for k, v in parts["phases"].items()},
+                          "syncs_per_step": parts.get("syncs_per_step")}), flush=True)
         flops = rows[0]["gflop_per_image"]
         for row in rows:
             if "images_per_sec" in row:

@@ -88,3 +88,6 @@ def test_the_gpu_run_dry_on_the_cpu(tmp_path: Path, stage: str) -> None:
         training = json.loads((tmp_path / "training.json").read_text())
         assert [r["implementation"] for r in training["rows"]][:2] == ["ours", "official"]
         assert training["rows"][0]["images_per_sec"] > 0 and "skipped" in training["rows"][1]
+        breakdown = training["breakdown"]  # our step split into step / step on made views / augmentation
+        assert set(breakdown) == {"bf16", "fp32"} and breakdown["bf16"]["phases"]["augment"]["s_per_step"] > 0
+        assert (tmp_path / "training-profile" / "bf16-profile.txt").is_file()  # one precision profiled
