@@ -341,6 +341,17 @@ def _commit(target: Path, staging: Path, keep_old: Path | None, replace: bool) -
     _finish(target)
 
 
+def _move_aside(current: Path, old: Path, target: Path) -> None:
+    """Rename the old directory (now at ``current``) to the aside or backup path ``old``, durably."""
+    if os.path.lexists(old):
+        raise OSError(f"cannot finish replacing {target}: {old} is in the way")
+    os.rename(current, old)
+    fsync_path(target.parent)
+    if old.parent != target.parent:
+        fsync_path(old.parent)
+    _step("aside")
+
+
 def _finish(target: Path) -> None:
     """Steps 4-7 of a committed swap, from whatever state a crash left them in (holding the parent's lock)."""
     parent, journal = target.parent, _journal(target)
@@ -359,22 +370,10 @@ def _finish(target: Path) -> None:
         _step("placed")
         placed = True
     if new.is_dir() and placed:  # the old directory, under the staging name since the exchange
-        if os.path.lexists(old):
-            raise OSError(f"cannot finish replacing {target}: {old} is in the way")
-        os.rename(new, old)
-        fsync_path(parent)
-        if old.parent != parent:
-            fsync_path(old.parent)
-        _step("aside")
+        _move_aside(new, old, target)
     elif new.is_dir():
         if os.path.lexists(target):
-            if os.path.lexists(old):
-                raise OSError(f"cannot finish replacing {target}: {old} is in the way")
-            os.rename(target, old)
-            fsync_path(parent)
-            if old.parent != parent:
-                fsync_path(old.parent)
-            _step("aside")
+            _move_aside(target, old, target)
         os.rename(new, target)
         fsync_path(parent)
         _step("placed")

@@ -3,7 +3,7 @@
 ``python -m benchmarks.serving.instant_engine --bundle DIR ...`` is ``msn-serve`` (the same CLI, app, uvicorn,
 batcher and decoding) except that the engine is :class:`InstantEngine`, a graph runner that returns zeros of the
 right shape at once. What is left to measure is the front end alone: HTTP, multipart parsing, decoding and
-preprocessing, batching and the response, i.e. what bounds a server whose engine is a fast GPU (issue 38). The swap
+preprocessing, batching and the response, i.e. what bounds a server whose engine is a fast GPU. The swap
 happens in this launcher only (``msn_serve.embedding.models.build_engine`` is replaced before ``main`` runs), so the
 service itself carries no switch for it; the bundle needs ``msn.json`` and a ``model.onnx`` file that is never read.
 """

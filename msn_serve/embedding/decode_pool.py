@@ -2,7 +2,8 @@
 
 Pillow releases the GIL while it decodes and resamples, but not around everything else a request costs (the HTTP
 parsing, the numpy glue), so on a host with many cores and a GPU engine, threads in one process leave most cores
-idle (issue 38: 476 images/s over HTTP on a 16-core host beside a 4,581 images/s engine). Worker processes decode
+idle (the H100 run served 476 images/s over HTTP from a 16-core host beside a 4,581 images/s engine: docs/benchmarks.md,
+"The GPU run"). Worker processes decode
 with no GIL shared with the event loop; the server keeps the checks that must see the whole request (the pixel
 budget of its images, :func:`~msn_serve.embedding.preprocess.check_upload`, before anything is decoded), so every
 4xx a hostile upload gets is the one it gets with threads. Workers start with ``spawn`` (the server already runs
