@@ -3,13 +3,14 @@
 # MSN images, one multi-stage file. Build a target with:
 #
 #   docker build --target serve     -t msn:0.1.0-serve     .   # slim: onnxruntime + faiss-cpu, no torch
-#   docker build --target serve-gpu -t msn:0.1.0-serve-gpu .   # CUDA 13 + cuDNN 9 runtime, onnxruntime-gpu, faiss-gpu
+#   docker build --target serve-gpu -t msn:0.1.0-serve-gpu .   # CUDA 13: onnxruntime-gpu, faiss-gpu-cuvs
 #   docker build --target train     -t msn:0.1.0-train     .   # CUDA torch 2.13.0, train + viz extras
 #
-# Versions are pinned here (base image tags, onnxruntime-gpu, faiss-gpu) and in constraints.txt (torch). The CUDA major of the
-# serve-gpu base must match the onnxruntime-gpu wheel: onnxruntime-gpu 1.31.x on PyPI is built for CUDA 13 + cuDNN 9
-# (its `cuda` extra requires nvidia-cuda-runtime~=13.0). torch 2.13.0 on PyPI brings its own CUDA 13 libraries as
-# nvidia-* wheels, so the train target needs no CUDA base image, only an NVIDIA driver >= 580 on the host.
+# Versions are pinned here (base image tags, onnxruntime-gpu, faiss-gpu-cuvs) and in constraints.txt (torch).
+# serve-gpu holds one CUDA major, 13, as its base does: onnxruntime-gpu 1.31.x on PyPI is built for CUDA 13 + cuDNN 9
+# (its `cuda` and `cudnn` extras bring those as nvidia-* wheels) and faiss-gpu-cuvs is FAISS' CUDA 13 build.
+# torch 2.13.0 on PyPI brings its own CUDA 13 libraries as nvidia-* wheels, so the train target needs no CUDA base
+# image, only an NVIDIA driver >= 580 on the host.
 # What all three share is written once: deploy/docker/base.sh (interpreter, user msn with UID 10001, /opt/venv) runs
 # on each base image, and each target installs its extras straight into /opt/venv from a read-only view of the
 # `source` stage, so no source tree or build leftover stays in an image.
@@ -77,23 +78,25 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
 ENTRYPOINT ["msn-serve"]
 
 # --------------------------------------------------------------------------------------------------------------------
-# serve-gpu: onnxruntime-gpu and faiss-gpu (which brings its own CUDA 12 runtime and cuBLAS as nvidia-*-cu12 wheels;
-# both run on an R580+ driver).
+# serve-gpu: onnxruntime-gpu with its CUDA 13 and cuDNN 9 wheels, and faiss-gpu-cuvs (CUDA 13, with cuVS, RAFT and
+# the CUDA 13 cuBLAS/cuSOLVER/cuSPARSE/NCCL wheels); one CUDA major, on an R580+ driver. No nvidia-*-cu12 wheel.
 FROM cuda-base AS serve-gpu
 ARG MSN_VERSION=0.1.0
 ARG ONNXRUNTIME_GPU_VERSION=1.31.1
-ARG FAISS_GPU_VERSION=1.15.1
+ARG FAISS_GPU_CUVS_VERSION=1.15.1
 LABEL org.opencontainers.image.title="msn-serve-gpu" \
-      org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime CUDA 13, FAISS GPU)" \
+      org.opencontainers.image.description="Masked Siamese Networks embedding service (ONNX Runtime and FAISS, CUDA 13)" \
       org.opencontainers.image.version="${MSN_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 WORKDIR /src
 # The gpu extra is the whole serving install with the GPU builds of onnxruntime and faiss instead of the CPU ones
 # (same modules: never both). faiss itself is not imported here: its GPU build needs the driver, which a build lacks.
+# The checks: no other build of either module (the CPU ones, or faiss-gpu, the CUDA 12 build) and no CUDA 12 wheel.
 RUN --mount=type=bind,from=source,source=/src,target=/src,rw \
-    pip install --no-cache-dir -c constraints.txt ".[gpu]" "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}" \
-        "faiss-gpu==${FAISS_GPU_VERSION}" \
-    && if pip show onnxruntime faiss-cpu >/dev/null 2>&1; then echo "a CPU build leaked into serve-gpu" >&2; exit 1; fi \
+    pip install --no-cache-dir -c constraints.txt ".[gpu]" "onnxruntime-gpu[cuda,cudnn]==${ONNXRUNTIME_GPU_VERSION}" \
+        "faiss-gpu-cuvs==${FAISS_GPU_CUVS_VERSION}" \
+    && if pip show onnxruntime faiss-cpu faiss-gpu >/dev/null 2>&1; then echo "another onnxruntime/faiss build leaked into serve-gpu" >&2; exit 1; fi \
+    && python -c "import importlib.metadata as m, sys; cu12 = sorted(d.metadata['Name'] for d in m.distributions() if d.metadata['Name'].lower().endswith('-cu12')); sys.exit(f'CUDA 12 wheels in serve-gpu: {cu12}' if cu12 else 0)" \
     && python -c "import onnxruntime as ort; p = ort.get_available_providers(); print(p); assert 'CUDAExecutionProvider' in p" \
     && if python -c "import torch" 2>/dev/null; then echo "torch leaked into the serve-gpu image" >&2; exit 1; fi \
     && install -d -o msn -g msn /data && install -d /models

@@ -37,6 +37,8 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "matplotlib": ("matplotlib", ("train", "viz")),
     "fastapi": ("fastapi", ("serve",)),
     "uvicorn": ("uvicorn", ("serve",)),
+    "httptools": ("httptools", ("serve",)),
+    "uvloop": ("uvloop", ("serve",)),
     "httpx": ("httpx", ("client", "serve", "viz")),
     "diffusers": ("diffusers", ("viz",)),
     "gradio": ("gradio", ("viz",)),

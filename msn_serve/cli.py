@@ -20,8 +20,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("port", int, "TCP port (default 8000; 0 = any free port)"),
     ("api-key-file", str, "file with the Bearer API key; omit for no auth"),
     ("device", str, ("cpu (default), cuda (ONNX Runtime's CUDA provider and flat/IVF FAISS indexes on the GPU; "
-                     "refuses to start, naming what is missing, when onnxruntime-gpu, faiss-gpu or a GPU is not "
-                     "here) or auto (cuda when all are here, else cpu; /readyz says which and why)")),
+                     "refuses to start, naming what is missing, when onnxruntime-gpu, a GPU build of faiss or a "
+                     "GPU is not here) or auto (cuda when all are here, else cpu; /readyz says which and why)")),
     ("precision", str, ("auto (default: the fastest gated choice on this CPU, measured at start-up), fp32, "
                         "int8 (the bundle's guarded graph) or bf16 (OpenVINO, CPUs with bf16 units)")),
     ("runtime", str, "auto (default), onnxruntime or openvino (CPU)"),
@@ -54,6 +54,7 @@ FLAGS: list[tuple[str, type, str]] = [
     ("timeout-headers-s", float, "close a connection whose request headers take longer than this"),
     ("timeout-keep-alive-s", float, "close an idle keep-alive connection after this"),
     ("max-connections", int, "open connections; beyond, 503 + Retry-After and close"),
+    ("http", str, "HTTP parser: auto (httptools when installed), httptools or h11"),
     ("intra-op-threads", int, "ONNX Runtime intra-op threads (0 = cores)"),
     ("log-level", str, "debug, info, warning, error"),
     ("role", str, "writer (default) or reader (= --read-only)"),
@@ -76,6 +77,7 @@ def parse_args(argv: Sequence[str] | None) -> dict:
         extra = {"choices": ["writer", "reader"]} if name == "role" else extra
         extra = {"choices": ["auto", "fp32", "int8", "bf16"]} if name == "precision" else extra
         extra = {"choices": ["auto", "onnxruntime", "openvino"]} if name == "runtime" else extra
+        extra = {"choices": ["auto", "httptools", "h11"]} if name == "http" else extra
         extra = {"action": "append"} if name == "bundle" else extra
         p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_, **extra)
     p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,

@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="keys file: 'scopes key-or-sha256:digest [name]' per line, "
                                                           "re-read on change or SIGHUP (docs/serving.md)")
     device: Literal["cpu", "cuda", "auto"] = Field(
-        "cpu", description="cuda refuses to start unless onnxruntime-gpu, faiss-gpu and a GPU are all here; auto = "
-                           "cuda when they are, else cpu (msn_serve.device)")
+        "cpu", description="cuda refuses to start unless onnxruntime-gpu, a GPU build of faiss and a GPU are "
+                           "all here; auto = cuda when they are, else cpu (msn_serve.device)")
     fp16: bool = Field(True, description="on CUDA, run an fp16 variant of the model (fp32 inputs/outputs)")
     precision: Literal["auto", "fp32", "int8", "bf16"] = Field(
         "auto", description="auto = the fastest that passes the accuracy gate on this CPU, measured at start-up; "
@@ -94,6 +94,8 @@ class Settings(BaseSettings):
     timeout_keep_alive_s: float = Field(5.0, gt=0.0, description="close an idle keep-alive connection after this")
     max_connections: int = Field(1024, ge=1, description="open connections; beyond, new ones get 503 + "
                                                           "Retry-After and are closed")
+    http: Literal["auto", "httptools", "h11"] = Field("auto", description="HTTP parser: httptools (C) when "
+                                                                          "installed, else h11")
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = physical cores")
     fit_threads: int = Field(1, ge=1, description="threads of each cyanure fit (in its worker process)")
     default_lambd: float = Field(DEFAULT_LAMBD, gt=0.0, description="few-shot L2 strength before division by n "

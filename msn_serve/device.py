@@ -2,8 +2,9 @@
 
 A GPU path that cannot work used to start and serve on the CPU with a warning in the log, so a user found out from
 the throughput. Now ``--device cuda`` checks every piece the GPU path needs before the bundle is read or the port
-bound: ONNX Runtime's CUDA provider (``onnxruntime-gpu``), FAISS' GPU build (``faiss-gpu``) and a GPU the NVIDIA
-driver sees. A missing piece stops the start with one line naming it and the install that brings it.
+bound: ONNX Runtime's CUDA provider (``onnxruntime-gpu``), a GPU build of FAISS (``faiss-gpu-cuvs``, the ``gpu``
+extra's; ``faiss-gpu`` passes too) and a GPU the NVIDIA driver sees. A missing piece stops the start with one line
+naming it and the install that brings it.
 ``--device auto`` takes the GPU when every piece is there and the CPU otherwise, and says which and why (log,
 ``/readyz``, ``/info``). The checks allocate nothing and time nothing (:mod:`msn_core.gpu`).
 """
@@ -39,14 +40,14 @@ class DeviceChoice:
 
 def faiss_problem(version: str, has_gpu_build: bool) -> str | None:
     """Why FAISS ``version`` cannot put indexes on a GPU because of its build (None: it has GPU support)."""
-    return None if has_gpu_build else f"faiss-gpu (this faiss {version} is the CPU build)"
+    return None if has_gpu_build else f"faiss-gpu-cuvs (this faiss {version} is the CPU build)"
 
 
 def cuda_problems() -> tuple[list[str], str | None]:
     """``(packages missing, driver problem)`` for serving on CUDA: each package clause names the GPU build needed
     and the CPU build installed; the driver clause says why no GPU is visible. Both empty/None: CUDA can work."""
     missing: list[str] = []
-    for gpu_build, check in (("onnxruntime-gpu", ort_cuda_problem), ("faiss-gpu", _faiss_cuda_problem)):
+    for gpu_build, check in (("onnxruntime-gpu", ort_cuda_problem), ("faiss-gpu-cuvs", _faiss_cuda_problem)):
         try:
             why = check()
         except MissingDependency as e:
@@ -90,7 +91,8 @@ def resolve_device(requested: str, *, precision: str = "auto", runtime: str = "a
     if requested == "cuda":
         if why:
             raise DeviceUnavailable(why)
-        return DeviceChoice("cuda", "cuda", "--device cuda: onnxruntime-gpu, faiss-gpu and a GPU are all here")
+        return DeviceChoice("cuda", "cuda",
+                            "--device cuda: onnxruntime-gpu, a GPU build of faiss and a GPU are all here")
     if why:
         return DeviceChoice("auto", "cpu", why.replace("--device cuda ", "cuda ", 1))
-    return DeviceChoice("auto", "cuda", "onnxruntime-gpu, faiss-gpu and a GPU are all here")
+    return DeviceChoice("auto", "cuda", "onnxruntime-gpu, a GPU build of faiss and a GPU are all here")

@@ -95,7 +95,8 @@ def faiss_info() -> dict[str, Any]:
         count = int(faiss.get_num_gpus()) if gpu_build else 0
     except RuntimeError:
         count = 0
-    return {"installed": True, "version": faiss.__version__, "gpu_support": gpu_build, "gpus": count}
+    return {"installed": True, "version": faiss.__version__, "gpu_support": gpu_build, "gpus": count,
+            "distribution": next((d for d in ("faiss-gpu-cuvs", "faiss-gpu", "faiss-cpu") if _version(d)), None)}
 
 
 def auto_choices(cpu_bf16: bool, ov_ok: bool, ov_bf16: bool, precision: str) -> dict[str, Any]:

@@ -12,8 +12,8 @@ returns what it measured):
 2. ``tests``: the CUDA-marked tests (``pytest -m cuda``).
 3. ``serving``: :mod:`benchmarks.gpu.serving` (ORT CUDA fp32/fp16, IOBinding, CPU provider, torch reference, HTTP).
 4. ``training``: :mod:`benchmarks.gpu.training` (ours beside the official step, fp32/bf16, MFU).
-5. ``faiss``: the CPU FAISS index on that machine (:mod:`benchmarks.serving.faiss_bench`; faiss-gpu needs CUDA 12
-   runtime wheels that do not fit the transfer, see docs/gpu-run.md).
+5. ``faiss``: the CPU FAISS index on that machine (:mod:`benchmarks.serving.faiss_bench`; FAISS' GPU builds,
+   faiss-gpu-cuvs or faiss-gpu, need CUDA library wheels that do not fit the transfer, see docs/gpu-run.md).
 
 ``--dry-run`` runs the same stages on the CPU with tiny sizes and the CUDA parts skipped with their reason: the
 test suite runs it, so the GPU run cannot fail on a typo.

@@ -22,6 +22,46 @@ _NAMES = ["ort-cuda/fp32", "ort-cuda/fp32-plain", "ort-cuda/fp16", "ort-cuda/fp1
           "torch-cuda/bf16", "ort-cpu/fp32"]
 
 
+def _flags(m: dict) -> str:
+    flags = ", ".join(f for f in m.get("cpu_flags", []) if f != "fma") or "flags not recorded"
+    return f"{m['cpu_count']}-core {m['cpu']} ({flags}), torch {m.get('torch', '?')}"
+
+
+def cpu_pairing(report: dict) -> list[str]:
+    """The pairing at the real model on a CPU (``benchmarks.gpu.training --device cpu``): what the GPU run will
+    measure, proven to run, and the like-for-like step ratio on this machine."""
+    batch = report["rows"][0]["batch"]
+    lines = ["### The same pairing on a CPU", "",
+             (f"`python -m benchmarks.gpu.training --device cpu --batch {batch} --steps 4 --official DIR` "
+              f"(`benchmarks/results/training-pairing-cpu/pairing.json`; {_flags(report['machine'])}; the machine "
+              "otherwise alone): the real ViT-S/16 pairing above at batch "
+              f"{batch}. *step*, *on views*, *augmentation*: our step whole, on views made beforehand (what the "
+              "official row times), and the augmentation alone (`benchmarks/training/step_breakdown.py`)."), "",
+             ("| precision | ours: trainer images/s | official images/s | ours: s/step (step / on views / augmentation) "
+              "| official s/step | ours on views vs official |"), "|---|---|---|---|---|---|"]
+    for precision, parts in report["breakdown"].items():
+        rows = {r["implementation"]: r for r in report["rows"] if r["precision"] == precision}
+        ph = {k: v["s_per_step"] for k, v in parts["phases"].items()}
+        official = rows.get("official", {})
+        lines.append(f"| {precision} | {rows['ours']['images_per_sec']:.2f} | "
+                     f"{official.get('images_per_sec', float('nan')):.2f} | {ph['step']:.2f} / "
+                     f"{ph['step_on_views']:.2f} / {ph['augment']:.2f} | "
+                     f"{official.get('step_s_median', float('nan')):.2f} | "
+                     f"×{parts.get('speedup_on_views_vs_official', float('nan')):.2f} |")
+    return lines + [""]
+
+
+def _before_after(before: dict, after: dict) -> str:
+    """One sentence: the bf16 step on views against the official one before and after the CPU attention change."""
+    ratio = [r["breakdown"]["bf16"].get("speedup_on_views_vs_official", float("nan")) for r in (before, after)]
+    step = [r["breakdown"]["bf16"]["phases"]["step_on_views"]["s_per_step"] for r in (before, after)]
+    return (f"In bf16 the step on views went from {step[0]:.2f} to {step[1]:.2f} s (×{ratio[0]:.2f} → ×{ratio[1]:.2f} "
+            "the official step) when attention on CPUs in bf16 left PyTorch's fused CPU kernel for the explicit "
+            "softmax(q kᵀ) v the official model computes (`training/model/vit.py`; the run before: `pairing-sdpa.json`, "
+            "same machine, alone). The trainer's row adds data loading and logging to the step, which the official "
+            "row leaves out.")
+
+
 def section(results: Path) -> list[str]:
     gpu = results / "gpu"
     serving, http = _load(gpu / "serving-h100.json"), _load(gpu / "serving-h100-http.json")
@@ -89,6 +129,12 @@ def section(results: Path) -> list[str]:
         lines += ["", (f"Ours against the official step: {', '.join(ratios)} (target ×1.5): **slower**. The "
                        "official figure leaves out its data pipeline, ours includes 12 views of GPU augmentation per "
                        "image; how much of the gap that is was not measured before the device time ran out."), ""]
+    pairing = _load(results / "training-pairing-cpu" / "pairing.json")
+    if pairing is not None and pairing.get("breakdown"):
+        lines += cpu_pairing(pairing)
+        before = _load(results / "training-pairing-cpu" / "pairing-sdpa.json")
+        if before is not None:
+            lines += [_before_after(before, pairing), ""]
     if faiss is not None:
         r = faiss["rows"][0]
         lines += ["### FAISS on that machine", "",

@@ -13,8 +13,8 @@ For each kind the tuner (``msn_serve.indexes.tuning.evaluate``) trains on a corp
 held-out *tuning* queries, and the figures reported are measured on 1,000 different *evaluation* queries: recall@10
 against exact search and batched queries per second (all queries in one call, FAISS using every visible core),
 plus the serialized size of the structure (its memory, give or take the id map) and the build time. With a GPU
-visible to faiss (``faiss-gpu``), flat and IVF indexes are also searched from their GPU copies (msn-serve's
-``--device cuda`` path).
+visible to faiss (a GPU build: ``faiss-gpu-cuvs``, the ``gpu`` extra's), flat and IVF indexes are also searched from
+their GPU copies (msn-serve's ``--device cuda`` path).
 
     python -m benchmarks.serving.faiss_bench --bundle bundles/bench [--n 1000000] [--corpora clustered fmnist]
 """

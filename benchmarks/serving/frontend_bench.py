@@ -57,6 +57,14 @@ def jpegs(n: int, seed: int = 0) -> list[bytes]:
     return out
 
 
+def server_stack() -> dict:
+    """The HTTP parser and event loop the server ran on (``--http auto``; uvloop when installed)."""
+    from msn_core.optional import available
+    from msn_serve.http.server import http_implementation
+
+    return {"http": http_implementation("auto"), "loop": "uvloop" if available("uvloop") else "asyncio"}
+
+
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -161,6 +169,7 @@ def main() -> None:
     save_json(a.out, {"benchmark": "frontend_bench", "engine": ENGINE, "request": "POST /embed, one 224x224 JPEG",
                       "jpeg_bytes_mean": round(float(np.mean(sizes))), "clients": a.clients,
                       "seconds": a.seconds, "rows": rows, "scaling_2_over_1_core": scaling,
+                      "server_stack": server_stack(),
                       "note": "the load generator runs on the same machine; its CPU is not counted as the server's",
                       "machine": machine()})
 

@@ -1,4 +1,4 @@
-"""GPU copies of FAISS indexes for ``msn-serve --device cuda`` (``faiss-gpu``: ``pip install '.[gpu]'``).
+"""GPU copies of FAISS indexes for ``msn-serve --device cuda`` (``faiss-gpu-cuvs``: ``pip install '.[gpu]'``).
 
 Flat and IVF indexes (IVF-Flat, plain IVF-PQ) get a GPU copy that answers searches; the CPU index stays the one
 that is persisted, published and replayed (``index_gpu_to_cpu`` is never needed), as without a GPU. HNSW and the
@@ -22,7 +22,7 @@ _lock = threading.Lock()
 
 
 def gpu_count() -> int:
-    """GPUs FAISS can use: 0 with faiss-cpu, or with faiss-gpu and no visible device."""
+    """GPUs FAISS can use: 0 with faiss-cpu, or with a GPU build and no visible device."""
     get = getattr(faiss, "get_num_gpus", None)
     try:
         return int(get()) if get is not None else 0
@@ -38,7 +38,7 @@ def resolve_device(requested: str) -> str:
         return "cpu"
     if gpu_count() > 0:
         return "cuda"
-    why = (f"faiss-gpu (this faiss {faiss.__version__} is the CPU build): {GPU_INSTALL}"
+    why = (f"faiss-gpu-cuvs (this faiss {faiss.__version__} is the CPU build): {GPU_INSTALL}"
            if not hasattr(faiss, "StandardGpuResources") else "a GPU faiss can see (faiss.get_num_gpus() is 0)")
     raise CudaUnavailable(f"--device cuda needs {why}")
 
@@ -56,4 +56,8 @@ def to_gpu(index: faiss.Index) -> faiss.Index:
             _resources = faiss.StandardGpuResources()
     options = faiss.GpuClonerOptions()
     options.useFloat16 = False  # exact scores, as on the CPU
+    if hasattr(options, "use_cuvs"):
+        # faiss-gpu-cuvs clones to cuVS kernels by default, with limits of their own (nprobe, k); the classic FAISS
+        # GPU kernels it also carries are the ones these index kinds were written and tested against.
+        options.use_cuvs = False
     return faiss.index_cpu_to_gpu(_resources, 0, index, options)

@@ -41,7 +41,7 @@ def test_every_extra_named_installs_the_library():
         for extra in named:
             assert extra in extras, f"{module}: no extra {extra!r} in pyproject.toml"
             if distribution != "msn":  # the training package itself comes with any install of msn
-                found = extras[extra] & {distribution, distribution.replace("-cpu", "-gpu"),
+                found = extras[extra] & {distribution, distribution.replace("-cpu", "-gpu-cuvs"),
                                          distribution.replace("onnxruntime", "onnxruntime-gpu")}
                 assert found, f"{module}: msn[{extra}] does not install {distribution}"
 

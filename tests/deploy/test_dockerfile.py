@@ -164,8 +164,10 @@ def test_extras_and_scripts_exist_in_pyproject():
     )
     assert "torch==2.13.0" in extras["train"]
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text()
-    assert any(d.startswith("onnxruntime-gpu") for d in extras["gpu"]) and any(d.startswith("faiss-gpu") for d in extras["gpu"])
-    assert not any(d.startswith(("onnxruntime>", "faiss-cpu")) or d == "msn[serve]" for d in extras["gpu"])
+    assert any(d.startswith("onnxruntime-gpu[cuda,cudnn]") for d in extras["gpu"])
+    assert any(d.startswith("faiss-gpu-cuvs") for d in extras["gpu"])
+    assert not any(d.startswith(("onnxruntime>", "faiss-cpu", "faiss-gpu>", "faiss-gpu=")) or d == "msn[serve]"
+                   for d in extras["gpu"])
     for script in ("msn-serve",):
         assert script in project["scripts"]
 

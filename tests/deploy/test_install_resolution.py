@@ -1,11 +1,13 @@
 """The installs resolve as documented: `.[serve]` (CPU), `.[gpu]` (GPU builds instead of the CPU ones) and
 `.[client]` (the Python client alone).
 
-onnxruntime / onnxruntime-gpu and faiss-cpu / faiss-gpu provide the same modules and overwrite each other, so the GPU
-install must select the GPU builds and neither CPU build, and no serving install may pull torch; the client install
-pulls none of the server's stack. A pip resolution dry run (no download of the wheels, no install) checks it against
-the real package index; without network access the test is skipped with pip's reason. Offline, the same question
-is answered from pyproject.toml and the installed packages' metadata (:func:`closure`).
+onnxruntime / onnxruntime-gpu and faiss-cpu / faiss-gpu-cuvs provide the same modules and overwrite each other, so the
+GPU install must select the GPU builds and neither CPU build, all on CUDA 13 (ONNX Runtime's CUDA and cuDNN wheels
+included, no `*-cu12` wheel: faiss-gpu, the CUDA 12 build, would add a second CUDA runtime), and no serving install
+may pull torch; the client install pulls none of the server's stack. A pip resolution dry run (no download of the
+wheels, no install) checks it against the real package index; without network access the test is skipped with
+pip's reason. Offline, the same question is answered from pyproject.toml and the installed packages' metadata
+(:func:`closure`).
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ def resolve(target: str, tmp_path: Path) -> set[str]:
 @pytest.mark.slow
 def test_gpu_install_selects_the_gpu_builds_and_no_torch(tmp_path):
     names = resolve(".[gpu]", tmp_path)
-    assert {"onnxruntime-gpu", "faiss-gpu", "fastapi", "cyanure", "orjson"} <= names
+    assert {"onnxruntime-gpu", "faiss-gpu-cuvs", "fastapi", "cyanure", "orjson"} <= names
+    assert {"nvidia-cudnn-cu13", "nvidia-cuda-runtime"} <= names, "ONNX Runtime's CUDA 13 and cuDNN wheels"
     assert not names & {"onnxruntime", "faiss-cpu"}, "a CPU build would overwrite the GPU module"
+    assert "faiss-gpu" not in names and not {n for n in names if n.endswith("-cu12")}, "one CUDA major: 13"
     assert not {n for n in names if n.startswith("torch")}
 
 
@@ -49,12 +53,12 @@ def test_gpu_install_selects_the_gpu_builds_and_no_torch(tmp_path):
 def test_serve_install_is_cpu_only_and_has_no_torch(tmp_path):
     names = resolve(".[serve]", tmp_path)
     assert {"onnxruntime", "openvino", "faiss-cpu", "fastapi", "cyanure", "orjson"} <= names
-    assert not names & {"onnxruntime-gpu", "faiss-gpu"}
+    assert not names & {"onnxruntime-gpu", "faiss-gpu", "faiss-gpu-cuvs"}
     assert not {n for n in names if n.startswith(("torch", "nvidia-"))}
 
 
-SERVER_STACK = {"onnxruntime", "onnxruntime-gpu", "openvino", "faiss-cpu", "faiss-gpu", "cyanure", "fastapi",
-                "starlette", "uvicorn", "torch"}
+SERVER_STACK = {"onnxruntime", "onnxruntime-gpu", "openvino", "faiss-cpu", "faiss-gpu", "faiss-gpu-cuvs", "cyanure",
+                "fastapi", "starlette", "uvicorn", "torch"}
 
 
 def closure(extra: str) -> set[str]:

@@ -39,7 +39,7 @@ class _FakeLibcuda:  # the driver API's method names
 
 @pytest.fixture
 def simulated_gpu(monkeypatch: pytest.MonkeyPatch):
-    """A machine with onnxruntime-gpu, faiss-gpu and one GPU, as the libraries would report it."""
+    """A machine with onnxruntime-gpu, faiss-gpu-cuvs and one GPU, as the libraries would report it."""
     monkeypatch.setattr(onnxruntime, "get_available_providers",
                         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(faiss, "StandardGpuResources", object, raising=False)
@@ -56,7 +56,7 @@ def test_refusal_names_each_missing_piece_and_the_install_that_fixes_it():
     assert gpu.ort_problem("1.31.1", ["CUDAExecutionProvider", "CPUExecutionProvider"]) is None
     line = refusal([ort, faiss_problem("1.15.1", False)], None)
     assert line == ("--device cuda needs onnxruntime-gpu with its CUDA provider (this onnxruntime 1.32.0 is the "
-                    "CPU build) and faiss-gpu (this faiss 1.15.1 is the CPU build): pip install 'msn[gpu]' "
+                    "CPU build) and faiss-gpu-cuvs (this faiss 1.15.1 is the CPU build): pip install 'msn[gpu]' "
                     "(instead of 'msn[serve]')")
     driver = gpu.driver_problem(None, 0)
     assert driver.startswith("no CUDA device is visible (libcuda not loadable")

@@ -166,9 +166,35 @@ def test_slow_idle_and_excess_connections_are_closed(bundle_dir: Path, tmp_path:
         keep.settimeout(2)
         assert keep.recv(4096).startswith(b"HTTP/1.1 200")
         assert _closed_within(keep, 3, trickle=False)  # idle keep-alive connection
+        huge = socket.create_connection(addr)  # headers that never end, sent fast: capped, not buffered forever
+        huge.settimeout(5)
+        try:
+            huge.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 80_000 + b"\r\n")
+        except OSError:
+            pass  # closed while we were still sending: the answer was already written
+        answer = huge.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 431") and b'"error"' in answer, answer[:200]
+        huge.close()
         for s in slow + silent + extra + [keep]:
             s.close()
         with srv.client() as c:
             assert c.get("/healthz").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_h11_parser_serves_like_httptools(bundle_dir: Path, tmp_path: Path):
+    """``--http h11`` (the pure-Python parser, the fallback where httptools is not installed) serves the same API."""
+    from msn_serve.config import Settings
+    from msn_serve.http.server import http_implementation, protocol_for
+
+    assert http_implementation("auto") == "httptools"  # the serve extras install it
+    assert "H11" in protocol_for(Settings(bundle=str(bundle_dir), http="h11")).__name__
+    assert "HttpTools" in protocol_for(Settings(bundle=str(bundle_dir))).__name__
+    srv = Server(bundle_dir, tmp_path / "data", "--http", "h11").start()
+    try:
+        with srv.client() as c:
+            r = c.post("/embed", files={"image": ("a.png", encode(random_image(0)), "image/png")})
+            assert r.status_code == 200 and len(r.json()["embeddings"]) == 1
     finally:
         srv.stop()

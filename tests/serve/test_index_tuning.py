@@ -146,14 +146,14 @@ def test_device_cuda_without_a_gpu_is_refused_and_cpu_stores_still_work(tmp_path
         pytest.skip("a GPU is visible: there is nothing to refuse here")
     with pytest.raises(CudaUnavailable, match="--device cuda needs") as e:
         IndexStore(tmp_path, default_dim=8, model_id="m", device="cuda")
-    assert ("faiss-gpu" in str(e.value)) != hasattr(index_gpu.faiss, "StandardGpuResources")
+    assert ("faiss-gpu-cuvs" in str(e.value)) != hasattr(index_gpu.faiss, "StandardGpuResources")
     store = IndexStore(tmp_path, default_dim=8, model_id="m", device="cpu")
     idx = store.create("f", {})
     idx.add([1, 2], np.eye(2, 8, dtype=np.float32), None)
     assert idx.stats()["device"] == "cpu" and idx.search(np.eye(1, 8, dtype=np.float32), 1)[0][0]["id"] == 1
 
 
-@pytest.mark.skipif(index_gpu.gpu_count() == 0, reason="no GPU visible to faiss (needs faiss-gpu and a GPU)")
+@pytest.mark.skipif(index_gpu.gpu_count() == 0, reason="no GPU visible to faiss (needs faiss-gpu-cuvs and a GPU)")
 @pytest.mark.parametrize("spec", [{"type": "flat"}, {"type": "ivf", "nlist": 16, "nprobe": 16}])
 def test_gpu_copies_answer_like_the_cpu_index(tmp_path: Path, spec):
     x = clustered(4_000, seed=3)

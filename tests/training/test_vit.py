@@ -17,6 +17,7 @@ from training.bundle.convert import (
     ours_to_official,
 )
 from training.bundle.sources import complete_preprocessing, resize_encoder
+from training.model import vit
 from training.model.heads import ProjectionHead, init_prototypes
 from training.model.load import KeyMismatchError, load_trunk, trunk_keys
 from training.model.vit import (
@@ -24,6 +25,7 @@ from training.model.vit import (
     VisionTransformer,
     build_encoder,
     encoder_kwargs,
+    explicit_attention,
     parse_official_arch,
 )
 
@@ -127,6 +129,33 @@ def test_padded_mixed_keep_batch_equals_unpadded_runs(encoder, images):
         torch.testing.assert_close(padded_post[row : row + 1], solo_post, atol=1e-6, rtol=0)
     unmasked, _ = encoder(images, keep_idx)  # without the mask the padding would leak into CLS
     assert (unmasked[2] - padded_pre[2]).abs().max() > 1e-3
+
+
+def test_explicit_attention_equals_the_fused_kernel_with_and_without_key_mask():
+    """The bf16 CPU path computes what F.scaled_dot_product_attention computes (fp32 here: exact up to rounding)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 9, 8, generator=g) for _ in range(3))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 4:] = False
+    for m in (None, mask):
+        torch.testing.assert_close(explicit_attention(q, k, v, m), F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+
+
+def test_bf16_autocast_on_cpu_takes_the_explicit_path_and_matches_fp32(encoder, images):
+    """Under CPU bf16 autocast the trunk (explicit attention) stays within bf16 rounding of the fp32 trunk, masks
+    included, and gradients flow."""
+    keep = torch.stack([torch.randperm(NUM_PATCHES, generator=torch.Generator().manual_seed(i))[:40]
+                        for i in range(len(images))])
+    with torch.no_grad():
+        ref, _ = encoder(images, keep)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low, _ = encoder(images, keep)
+    assert 0 < (low.float() - ref).abs().max() < 0.05 * ref.abs().max()  # bf16-rounded, not the fp32 result
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert vit._cpu_bf16(torch.zeros(1))  # the path taken
+        encoder(images, keep)[0].float().sum().backward()
+    assert encoder.blocks[0].attn.qkv.weight.grad is not None
+    encoder.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()

@@ -133,6 +133,27 @@ class PatchEmbed(nn.Module):
         return self.proj(images).flatten(2).transpose(1, 2)  # (B, H/p * W/p, D), row-major
 
 
+def _cpu_bf16(x: Tensor) -> bool:
+    """True where attention runs in bf16 on a CPU (bf16 tensors, or inside a bf16 CPU autocast)."""
+    if x.device.type != "cpu":
+        return False
+    return x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu")
+                                         and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+    """softmax(q kᵀ / √d) v as the official ``deit.py`` writes it, the softmax in fp32.
+
+    Used for bf16 on CPUs, where PyTorch's fused CPU attention kernel is ~5x slower forward + backward at MSN's
+    token counts (197 and 37; benchmarks/results/training-pairing-cpu/, docs/training.md); CUDA and fp32 keep
+    ``F.scaled_dot_product_attention``. ``attn_mask``: bool, True where a key may be attended to.
+    """
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return scores.float().softmax(dim=-1).to(v.dtype) @ v
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (official key layout: q, k, v stacked)."""
 
@@ -148,7 +169,10 @@ class Attention(nn.Module):
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, N, head_dim)
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        if _cpu_bf16(q):
+            x = explicit_attention(q, k, v, attn_mask)
+        else:
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return self.proj(x.transpose(1, 2).reshape(batch, tokens, dim))
 
 
