@@ -11,8 +11,15 @@ uncompressed, while xz over the unpacked libraries shrinks them several-fold. Ea
 ``benchmarks/gpu/receive.sh`` keeps the parts under /tmp there, ``install.sh`` joins, checks and unpacks them.
 ``.gpu/`` is git-ignored.
 
+``--faiss-gpu`` packs the optional second payload the same way, into ``.gpu/faiss-part-NN/``: FAISS' CUDA 13 build
+(``faiss-gpu-cuvs``, the ``gpu`` extra's) with the cuVS stack it links (libcuvs, libraft, librmm, rapids-logger)
+and a CUDA runtime as new as the one it was compiled with; the other CUDA 13 libraries it loads (cuBLAS, cuRAND,
+nvJitLink, cuSOLVER, cuSPARSE, NVRTC, NCCL) are the GPU image's own, linked into the unpacked tree by
+``install.sh faiss``. C++ headers, CMake files and static archives are left out (nothing loads them at run time).
+
     python -m benchmarks.gpu.pack                     # download, pack, split into .gpu/part-NN/
     python -m benchmarks.gpu.pack --wheels-only DIR   # reuse wheels already downloaded into DIR
+    python -m benchmarks.gpu.pack --faiss-gpu         # the FAISS GPU payload: .gpu/faiss-part-NN/
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ OUT = REPO / ".gpu"
 # What the GPU image lacks for the serving stack, the trainer and the tests (its package list: the device tool's
 # KINDS.md); everything else (numpy, onnx, safetensors, httpx, pytest, PyYAML, ...) is there already.
 WHEELS = ["onnxruntime-gpu==1.31.1", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
-          "typing-inspection", "uvicorn", "python-multipart", "pydantic-settings", "python-dotenv", "orjson",
+          "typing-inspection", "uvicorn", "httptools", "uvloop", "python-multipart", "pydantic-settings", "python-dotenv", "orjson",
           "faiss-cpu", "cyanure==1.2.2", "kornia", "kornia-rs",
           # fastapi >= 0.16x imports opentelemetry's API (it was missing from the first GPU run's payload)
           "opentelemetry-api", "importlib-metadata"]
@@ -40,8 +47,24 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
              "manylinux1_x86_64"]
 OFFICIAL_FILES = ["src/deit.py", "src/losses.py", "src/utils.py", "src/msn_train.py", "src/data_manager.py",
                   "src/sgd.py", "LICENSE"]
-# Carried whole with the first part: what the training comparison needs beyond the GPU image.
-EARLY = {"kornia", "kornia-rs"}
+# The optional FAISS GPU payload (--faiss-gpu). faiss-gpu-cuvs 1.15.1 asks (Requires-Dist) for nvidia-cuda-runtime,
+# -cublas and -nvjitlink >= 13.2 and nvidia-curand >= 10.3.7; libcuvs/libraft for any CUDA 13 cuBLAS, cuRAND,
+# cuSOLVER, cuSPARSE, NVRTC, nvJitLink and NCCL. The GPU image has the CUDA 13.0 set torch 2.11.0 pins
+# (cuda-toolkit==13.0.2: runtime 13.0.96, cuBLAS 13.1.0.3, nvJitLink 13.0.88, cuRAND 10.4.0.35). Every symbol
+# libfaiss, the SWIG module, libcuvs and libraft import from cudart, cuBLAS/cuBLASLt and nvJitLink is in those
+# versions (checked with nm -D); libcuvs was compiled with CUDA 13.0.88 (its JIT-linked code matches the image's
+# nvJitLink), libfaiss with 13.2.86, so only the runtime (2.3 MB) travels at the version it was built with. cuBLAS
+# 13.2 would add a 444 MB wheel (several parts) for no symbol the image's lacks.
+FAISS_GPU_WHEELS = ["faiss-gpu-cuvs==1.15.1", "libcuvs-cu13==26.6.0", "libraft-cu13==26.6.0", "librmm-cu13==26.6.0",
+                    "rapids-logger==0.2.3", "nvidia-cuda-runtime==13.2.86"]
+# Carried whole with the first part: what the training comparison needs beyond the GPU image, and the serving
+# front end's pure stack (a few MiB), so that a session carrying the FAISS payload instead of the main one can still
+# run the frontend stage (with faiss from that payload). The main payload keeps onnxruntime-gpu, faiss-cpu, cyanure.
+EARLY = {"kornia", "kornia-rs", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
+         "typing-inspection", "uvicorn", "httptools", "uvloop", "python-multipart", "pydantic-settings",
+         "python-dotenv", "orjson", "opentelemetry-api", "importlib-metadata"}
+# Room the first FAISS part leaves for the early archive when .gpu/early is not there to measure.
+EARLY_RESERVE = 8 * 2**20
 OFFICIAL_MIRROR = Path("/work/.mirror/facebookresearch+msn/repo")
 
 
@@ -99,6 +122,22 @@ def unpack_wheels(wheels: Path, site: Path) -> dict[str, str]:
     return hashes
 
 
+def prune(site: Path) -> int:
+    """Drop what nothing loads at run time: C++ headers (``PKG/include``, ``nvidia/cu13/include``), CMake package
+    files and static archives. Returns the bytes removed."""
+    doomed = [*site.glob("*/include"), *site.glob("nvidia/*/include"), *site.glob("*/lib64/cmake"),
+              *site.glob("*/lib/cmake")]
+    removed = 0
+    for path in doomed:
+        if path.is_dir():
+            removed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            shutil.rmtree(path)
+    for archive in site.rglob("*.a"):
+        removed += archive.stat().st_size
+        archive.unlink()
+    return removed
+
+
 def compress(root: Path, out: Path, level: int) -> None:
     """``root`` as ``out`` (tar + xz): the ``xz`` tool on every core where it is installed, else Python's lzma."""
     if shutil.which("xz") and shutil.which("tar"):
@@ -112,17 +151,19 @@ def compress(root: Path, out: Path, level: int) -> None:
         tar.add(root, arcname=root.name)
 
 
-def split(payload: Path, out: Path, part_bytes: int, meta: dict, first_part_bytes: int | None = None) -> dict:
-    """``payload`` as ``out/part-NN/payload.part`` files of at most ``part_bytes`` (the first one
-    ``first_part_bytes``: it travels beside the early archive), each with the manifest."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+def split(payload: Path, out: Path, part_bytes: int, meta: dict, first_part_bytes: int | None = None,
+          prefix: str = "") -> dict:
+    """``payload`` as ``out/{prefix}part-NN/payload.part`` files of at most ``part_bytes`` (the first one
+    ``first_part_bytes``: it travels beside the early archive), each with the manifest. Only this payload's
+    earlier folders are replaced: the other payload's stay."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{prefix}part-*"):
+        shutil.rmtree(old)
     parts = []
     with payload.open("rb") as f:
         index = 0
         while chunk := f.read(first_part_bytes or part_bytes if index == 0 else part_bytes):
-            folder = out / f"part-{index:02d}"
+            folder = out / f"{prefix}part-{index:02d}"
             folder.mkdir()
             (folder / "payload.part").write_bytes(chunk)
             parts.append({"name": folder.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
@@ -130,7 +171,7 @@ def split(payload: Path, out: Path, part_bytes: int, meta: dict, first_part_byte
     manifest = {**meta, "payload_bytes": payload.stat().st_size, "payload_sha256": sha256(payload), "parts": parts}
     for p in parts:
         (out / p["name"] / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (out / f"{prefix}manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -156,10 +197,30 @@ def pack(wheels: Path, official: Path | None, out: Path, part_mib: float, level:
         meta["early_sha256"] = sha256(early_tar)
         part_bytes = int(part_mib * 2**20)
         manifest = split(tar_path, out, part_bytes, meta, first_part_bytes=part_bytes - early_tar.stat().st_size)
+        shutil.rmtree(out / "early", ignore_errors=True)
         (out / "early").mkdir()
         shutil.copy(early_tar, out / "early" / "early.tar.xz")
         (out / "early" / "manifest.json").write_text(json.dumps(manifest, indent=1))
         return manifest
+
+
+def pack_faiss_gpu(wheels: Path, out: Path, part_mib: float, level: int) -> dict:
+    """The optional FAISS GPU payload: the wheels in ``wheels`` unpacked to ``faiss/site`` (headers, CMake files and
+    static archives pruned), tar + xz, split into ``out/faiss-part-NN/`` (manifest ``faiss-manifest.json``). The
+    first part is smaller by the early archive (``out/early``'s size, else ``EARLY_RESERVE``): a session that
+    carries this payload instead of the main one sends the early archive with ``faiss-part-00``."""
+    with tempfile.TemporaryDirectory(prefix="msn-gpu-faiss-") as tmp:
+        root = Path(tmp) / "faiss"
+        meta: dict = {"payload": "faiss", "root": "faiss", "wheels": unpack_wheels(wheels, root / "site")}
+        unpacked = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        meta["pruned_bytes"] = prune(root / "site")
+        meta["unpacked_bytes"] = unpacked - meta["pruned_bytes"]
+        tar_path = Path(tmp) / "faiss.tar.xz"
+        compress(root, tar_path, level)
+        early = out / "early" / "early.tar.xz"
+        part_bytes = int(part_mib * 2**20)
+        reserve = min(early.stat().st_size if early.is_file() else EARLY_RESERVE, part_bytes // 2)
+        return split(tar_path, out, part_bytes, meta, first_part_bytes=part_bytes - reserve, prefix="faiss-")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-mib", type=float, default=59.0,
                     help="MiB a call carries beside the ~3 MiB tree (the first part is smaller by the early archive)")
     ap.add_argument("--xz-level", type=int, default=6)
+    ap.add_argument("--faiss-gpu", action="store_true",
+                    help="pack the optional FAISS GPU payload (FAISS_GPU_WHEELS) into .gpu/faiss-part-NN/ instead")
     a = ap.parse_args(argv)
+    if a.faiss_gpu:
+        with tempfile.TemporaryDirectory(prefix="msn-gpu-wheels-") as tmp:
+            wheels = a.wheels_only or Path(tmp)
+            if a.wheels_only is None:
+                download(FAISS_GPU_WHEELS, wheels)
+            manifest = pack_faiss_gpu(wheels, a.out, a.part_mib, a.xz_level)
+        n = len(manifest["parts"])
+        print(f"pack: faiss GPU payload: {sum(p['bytes'] for p in manifest['parts']) / 2**20:.1f} MiB in {n} parts "
+              f"({manifest['unpacked_bytes'] / 2**20:.0f} MiB unpacked, {manifest['pruned_bytes'] / 2**20:.0f} MiB "
+              f"of headers and archives left out), under {a.out}; send .gpu/faiss-part-00 ... faiss-part-{n - 1:02d}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="msn-gpu-wheels-") as tmp:
         wheels = a.wheels_only
         if wheels is None:
