@@ -142,16 +142,20 @@ def _cpu_bf16(x: Tensor) -> bool:
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-    """softmax(q kᵀ / √d) v as the official ``deit.py`` writes it, the softmax in fp32.
+    """softmax(q kᵀ / √d) v as the official ``deit.py`` writes it, the logits and softmax in fp32.
 
-    Used for bf16 on CPUs, where PyTorch's fused CPU attention kernel is ~5x slower forward + backward at MSN's
-    token counts (197 and 37; benchmarks/results/training-pairing-cpu/, docs/training.md); CUDA and fp32 keep
-    ``F.scaled_dot_product_attention``. ``attn_mask``: bool, True where a key may be attended to.
+    Used for bf16 on CPUs, where PyTorch's fused CPU attention kernel is ~2.5x slower forward + backward at MSN's
+    token counts (197 and 37; docs/benchmarks.md, "The same pairing on a CPU"); CUDA and fp32 keep
+    ``F.scaled_dot_product_attention``. The logits stay fp32 as in the fused kernel (bf16 logits were faster still,
+    but moved a step's loss by 0.2 %); only ``probs @ v`` runs in bf16. ``attn_mask``: bool, True where a key may be
+    attended to.
     """
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return scores.float().softmax(dim=-1).to(v.dtype) @ v
+    with torch.autocast(q.device.type, enabled=False):  # fp32 logits (autocast would recast the matmul to bf16)
+        scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        probs = scores.softmax(dim=-1)
+    return probs.to(v.dtype) @ v
 
 
 class Attention(nn.Module):
