@@ -57,8 +57,10 @@ from training.run.build import Run, build_run, preprocessing
 from training.run.collapse import CollapseDetector, RunGeometry
 from training.run.length import RunLength, RunSchedule, schedule_run
 from training.run.monitor import TrainingMonitor
-from training.run.plan import parse_budget, plan_config, set_length
+from training.run.plan import Plan, parse_budget, plan_config, set_length
+from training.run.precision_timing import PrecisionChoice, choose_precision
 from training.run.probe import build_probe
+from training.run.stall import StallDetector, StallSettings
 from training.run.state import Progress, TrainState, batches_from, restore_progress, save_progress
 from training.run.step import StepOutput, train_step
 from training.sources import MEMORY_SOURCES, SourceError
@@ -107,8 +109,6 @@ def main(argv: list[str] | None = None) -> None:
         if info.rank == 0:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             launch = launch_id(args.output_dir, restarted=dist.restart_count() > 0)
-            if args.plan is not None:
-                print(args.plan.describe(), flush=True)
             dump_config(cfg, args.output_dir / "config.yaml", plan=args.plan.record() if args.plan else None)
         # 3. build: data, views, networks, loss, optimiser; then the stored position when resuming
         try:
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         if resumed:
             progress = checkpoints.resume()
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
+        # precision: auto on a CPU with bf16 units times both on this run's steps, undone (run/precision_timing.py)
+        keep_precision(run, choose_precision(run, resumed=resumed, stored=checkpoints.stored_precision), args)
         probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
         # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
         # resizes both from its measured rate (training/run/budget.py); every checkpoint stores the length
@@ -132,7 +134,10 @@ def main(argv: list[str] | None = None) -> None:
                                   start_step=progress.step, progress_bar=cfg.run.progress_bar,
                                   tensorboard=cfg.run.tensorboard, probe=probe,
                                   detector=CollapseDetector(RunGeometry.from_config(cfg)),
-                                  stop_on_collapse=cfg.run.stop_on_collapse)
+                                  stop_on_collapse=cfg.run.stop_on_collapse,
+                                  stall_detector=StallDetector(StallSettings.from_config(cfg, run.global_batch),
+                                                               total_steps=length.total_steps,
+                                                               start_step=progress.step))
         monitor.write(describe(run, length))
         last = train_loop(run, schedule, progress, monitor, checkpoints)
         # 6. save: the last step's checkpoint, unless the loop just wrote it
@@ -225,6 +230,7 @@ class Checkpoints:
     launch: str | None = None
     saved_step: int = -1
     resume_step: int = field(default=-1, init=False)  # the step rank 0 read; every rank must load that same step
+    stored_precision: str | None = field(default=None, init=False)  # what the resumed checkpoint trained in
     _stored: dict | None = field(default=None, init=False, repr=False)  # rank 0's copy: the file is read once
 
     @property
@@ -270,6 +276,7 @@ class Checkpoints:
             sys.exit(f"pretrain: rank {rank} read step {stored['step']} from {self.path}, rank 0 step "
                      f"{self.resume_step}: every rank must see the same output directory")
         self.state.load_state_dict(stored)
+        self.stored_precision = stored.get("precision")
         run = self.run
         progress = restore_progress(stored, steps_per_epoch=run.steps_per_epoch, info=run.info,
                                     mask_generator=run.mask_generator, seed=run.cfg.run.seed)
@@ -290,6 +297,27 @@ class Checkpoints:
     def keep_epoch_copy(self, epoch: int) -> None:
         if self.run.info.rank == 0:
             copy_checkpoint(self.path, self.output_dir / f"checkpoint-ep{epoch:04d}.pt")
+
+
+def keep_precision(run: Run, choice: PrecisionChoice, args: argparse.Namespace) -> None:
+    """Train in the chosen precision and say so: ``config.yaml`` records it as the resolved ``run.precision`` (so do
+    the checkpoints) with the reason and measurement in its ``plan`` section, which loading skips (a run from a
+    recipe gets a section of its own); a planned run prints its plan block now, with that line in it."""
+    run.use_precision(choice.precision)
+    run.cfg.run.precision = choice.precision
+    if run.info.rank != 0:
+        return
+    plan: Plan | None = args.plan
+    if plan is not None and "run.precision" not in plan.fixed:
+        plan.values["run.precision"], plan.reasons["run.precision"] = choice.precision, choice.reason
+    record = plan.record() if plan is not None else {"why": {"run.precision": choice.reason}}
+    if choice.timed:
+        record["precision_timing"] = choice.record()
+    if plan is not None:
+        print(plan.describe(), flush=True)
+    else:
+        log.info("run.precision %s: %s", choice.precision, choice.reason)
+    dump_config(run.cfg, args.output_dir / "config.yaml", plan=record)
 
 
 def describe(run: Run, length: RunLength) -> str:

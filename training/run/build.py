@@ -43,7 +43,7 @@ class Run:
     criterion: MSNLoss
     optimizer: torch.optim.Optimizer
     mask_generator: torch.Generator
-    precision: str  # "fp32" or "bf16", resolved from run.precision and the hardware (training.run.precision)
+    precision: str  # "fp32" or "bf16": the flag rule's (training.run.precision) until pretrain.py's choice
     autocast: Callable[[], AbstractContextManager]
     mean: list[float]
     std: list[float]
@@ -55,6 +55,10 @@ class Run:
     @property
     def global_batch(self) -> int:
         return self.cfg.data.batch_size * self.info.world_size
+
+    def use_precision(self, precision: str) -> None:
+        """Run the following steps in ``precision``: ``auto``'s timing tries each candidate, then keeps one."""
+        self.precision, self.autocast = precision, autocast_factory(precision, self.device)
 
 
 def build_run(cfg: Config, info: dist.DistInfo) -> Run:

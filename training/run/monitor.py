@@ -1,13 +1,16 @@
-"""Watching a run, on rank 0: a progress bar, ``metrics.jsonl``, optional TensorBoard, a kNN probe and collapse.
+"""Watching a run, on rank 0: a progress bar, ``metrics.jsonl``, optional TensorBoard, a kNN probe, collapse and
+stalls.
 
-Every logged step writes one JSON record (loss terms, schedules, images/s, the collapse statistics). Two watchers
+Every logged step writes one JSON record (loss terms, schedules, images/s, the collapse statistics). Three watchers
 add to the same record, so a reader of ``metrics.jsonl`` sees one line per logged step, always with the same core:
 
 - the kNN probe (``training/run/probe.py``), when labels are available: ``knn20_top1`` and ``probe_seconds`` on
   the steps it ran (every ``run.probe_every_steps`` and the last), also on the progress bar and in TensorBoard;
 - the collapse detector (``training/run/collapse.py``), with or without labels: ``collapse`` and
   ``collapse_message`` on the step a collapse is confirmed, logged once as a warning. With ``run.stop_on_collapse``
-  every rank agrees to stop there (``should_stop``: one tiny collective per logged step, only with that setting).
+  every rank agrees to stop there (``should_stop``: one tiny collective per logged step, only with that setting);
+- the stall detector (``training/run/stall.py``), with or without labels: ``stall`` and ``stall_message`` on the
+  step a stall is confirmed, logged once as a warning. A stall never stops the run: it may still be worth finishing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from msn_core.optional import require
 from training import distributed as dist
 from training.run.collapse import Collapse, CollapseDetector
 from training.run.probe import KnnProbe
+from training.run.stall import Stall, StallDetector
 
 log = logging.getLogger("msn.train")
 
@@ -41,12 +45,15 @@ class TrainingMonitor:
         detector: CollapseDetector | None = None,
         probe: KnnProbe | None = None,
         stop_on_collapse: bool = False,
+        stall_detector: StallDetector | None = None,
     ):
         self.enabled = enabled
         self.detector = detector if enabled else None
         self.probe = probe if enabled else None
         self.stop_on_collapse = stop_on_collapse
         self.collapse: Collapse | None = None  # the first collapse confirmed (rank 0)
+        self.stall_detector = stall_detector if enabled else None
+        self.stall: Stall | None = None  # the stall confirmed (rank 0)
         self.stopped_by: Collapse | str | None = None  # set on every rank when should_stop() says stop
         self._last_time = time.perf_counter()
         self._images_since = 0
@@ -70,8 +77,8 @@ class TrainingMonitor:
             self.bar.update(1)
 
     def log(self, step: int, epoch: int, values: dict[str, Any], *, final: bool = False) -> dict[str, Any]:
-        """Write one metrics record, with a probe when one is due (always on the ``final`` step) and any collapse
-        confirmed; returns it. images/s counts the training time since the last record, not the probe's."""
+        """Write one metrics record, with a probe when one is due (always on the ``final`` step) and any collapse or
+        stall confirmed; returns it. images/s counts the training time since the last record, not the probe's."""
         extra: dict[str, Any] = {}
         if self.probe is not None:
             result = self.probe.maybe(step, final=final)
@@ -89,6 +96,12 @@ class TrainingMonitor:
                 record.update(collapse.record())
                 self.collapse = self.collapse or collapse
                 log.warning("%s", collapse.message)
+        if self.stall_detector is not None:
+            stall = self.stall_detector.update(step, record)
+            if stall is not None:
+                record.update(stall.record())
+                self.stall = stall
+                log.warning("%s", stall.message)
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         self._show(step, record)
@@ -103,6 +116,8 @@ class TrainingMonitor:
                 self._postfix[knn.removesuffix("_top1")] = f"{record[knn]:.1f}%"
             if "collapse" in record:
                 self._postfix["collapse"] = record["collapse"]
+            if "stall" in record:
+                self._postfix["stall"] = record["stall"]
             self.bar.set_postfix(self._postfix)
         if self.writer is not None:
             for key, value in record.items():
@@ -111,6 +126,8 @@ class TrainingMonitor:
                     self.writer.add_scalar(f"{group}/{key}", value, step)
             if "collapse" in record:
                 self.writer.add_text("collapse", record["collapse_message"], step)
+            if "stall" in record:
+                self.writer.add_text("stall", record["stall_message"], step)
 
     def should_stop(self) -> bool:
         """True on every rank once rank 0 confirmed a collapse and ``run.stop_on_collapse`` is set. Call it on

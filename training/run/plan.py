@@ -30,7 +30,8 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
 6. **Length**: ``--budget`` or ``--epochs``; warm-up 10 % of the run (at most the paper's 15 epochs); schedules
    end with the run (``horizon_scale`` 1); EMA from ``1 - 1/t`` with t about 2 % of the steps (100-250 steps:
    0.99 to the paper's 0.996).
-7. **Loader workers**: 0 for in-memory data; else from the cores per process. **Precision**: ``auto``.
+7. **Loader workers**: 0 for in-memory data; else from the cores per process. **Precision**: ``auto`` (on a CPU
+   with bf16 units the run times fp32 against bf16 on its first steps; the printed block shows what it measured).
 """
 
 from __future__ import annotations
@@ -361,7 +362,9 @@ class _Candidate:
         if survey.mean is not None:
             ch("data.mean", survey.mean, "measured on sampled images")
             ch("data.std", survey.std, "measured on sampled images")
-        ch("run.precision", "auto", f"{machine.precision} on this machine (training/run/precision.py)")
+        ch("run.precision", "auto", "fp32 or bf16, whichever this run's first steps run faster (bf16 units on this "
+           "CPU; training/run/precision_timing.py)" if machine.device_type == "cpu" and machine.bf16 else
+           f"{machine.precision} on this machine (training/run/precision.py)")
 
 
 def _working_size(side: int, *, small: bool) -> int:
