@@ -47,7 +47,6 @@ class ConnectionGuard:
     header_timeout = 10.0
     max_connections = 1024
     _header_timer: asyncio.TimerHandle | None = None
-    _header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
@@ -63,12 +62,6 @@ class ConnectionGuard:
         super().data_received(data)  # type: ignore[misc]
         if self._in_request():
             self._disarm()
-            self._header_bytes = 0
-        elif not self.transport.is_closing():  # type: ignore[attr-defined]
-            self._header_bytes += len(data)  # still inside the headers of the next request
-            if self._header_bytes > MAX_HEADER_BYTES:
-                self.transport.write(HEADERS_TOO_LARGE)  # type: ignore[attr-defined]
-                self.transport.close()  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -98,7 +91,33 @@ class ConnectionGuard:
 
 
 class GuardedH11Protocol(ConnectionGuard, H11Protocol):
-    """h11 with the guard."""
+    """h11 with the guard (h11 caps headers itself, at uvicorn's 16 KiB)."""
+
+
+class HeaderCap:
+    """For httptools, which has no header limit: the bytes received while a request's headers are being parsed
+    (from ``on_message_begin`` to ``on_headers_complete``; a body still arriving after an early answer is never
+    counted), capped at :data:`MAX_HEADER_BYTES`."""
+
+    _in_headers = False
+    _header_bytes = 0
+
+    def on_message_begin(self) -> None:
+        self._in_headers, self._header_bytes = True, 0
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        transport = self.transport  # type: ignore[attr-defined]
+        if self._in_headers and not transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                transport.write(HEADERS_TOO_LARGE)
+                transport.close()
 
 
 def http_implementation(requested: str) -> str:
@@ -118,7 +137,7 @@ def protocol_for(settings: Settings) -> type[ConnectionGuard]:
     if http_implementation(settings.http) == "httptools":
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        base: type = type("GuardedHttpToolsProtocol", (ConnectionGuard, HttpToolsProtocol), {})
+        base: type = type("GuardedHttpToolsProtocol", (ConnectionGuard, HeaderCap, HttpToolsProtocol), {})
     else:
         base = GuardedH11Protocol
     return type(f"Msn{base.__name__}", (base,), {"header_timeout": settings.timeout_headers_s,
