@@ -2,8 +2,10 @@
 
 The machines this project runs on change between an AVX2-only AMD EPYC, an AMD EPYC with AVX512-BF16/VNNI and an
 Intel Xeon with AMX: bf16 matrix multiplies are several times faster than fp32 on the last two and slower than fp32
-on the first (docs/benchmarks.md has the measured ratios). Training (``run.precision: auto``, also the RCDM decoder's) decides
-from this one reading, and it is where a serving runtime choice should read the CPU too. ``MSN_CPU_FLAGS`` (a
+on the first (docs/benchmarks.md has the measured ratios), and bf16 units do not make every step faster either.
+Training's ``run.precision: auto`` reads here whether bf16 is worth timing at all (it then times both on the run's
+first steps, ``training/run/precision_timing.py``); the RCDM decoder still takes the flag rule below. It is where
+a serving runtime choice should read the CPU too. ``MSN_CPU_FLAGS`` (a
 space-separated flag list) replaces the reading, so tests and users can simulate another CPU, e.g.
 ``MSN_CPU_FLAGS="avx2 fma"`` to force the fp32 path on an AMX machine.
 """
@@ -39,7 +41,7 @@ class CpuInfo:
 
     @property
     def auto_precision(self) -> str:
-        """What ``run.precision: auto`` trains in on this CPU (and ``msn-doctor`` reports): bf16 only on bf16 units."""
+        """The flag rule (``msn-doctor`` reports it): bf16 only on bf16 units. Training's ``auto`` times both there."""
         return "bf16" if self.bf16_native else "fp32"
 
     @property

@@ -129,7 +129,9 @@ class OptimConfig:
 class RunConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 where native: CUDA, AMX or AVX512-BF16 CPUs; fp32 elsewhere) | fp32 | bf16
+    # auto | fp32 | bf16. auto: bf16 on GPUs that support it, fp32 on CPUs without bf16 units; on CPUs with them
+    # (AMX, AVX512-BF16) the faster of the two, timed on the run's first steps (training/run/precision_timing.py)
+    precision: str = "auto"
     compile: bool = False
     max_steps: int | None = None  # stop after this many optimiser steps (smoke tests, benchmarks)
     checkpoint_every_steps: int = 500

@@ -122,11 +122,14 @@ def main(argv: list[str] | None = None) -> None:
             progress = checkpoints.resume()
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
         # precision: auto on a CPU with bf16 units times both on this run's steps, undone (run/precision_timing.py)
-        keep_precision(run, choose_precision(run, resumed=resumed, stored=checkpoints.stored_precision), args)
+        choice = choose_precision(run, resumed=resumed, stored=checkpoints.stored_precision)
+        keep_precision(run, choice, args)
         probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
         # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
-        # resizes both from its measured rate (training/run/budget.py); every checkpoint stores the length
-        schedule = schedule_run(run, stored=state.stored_length, started_at=started_at)
+        # resizes both from its measured rate (training/run/budget.py; a timed precision's rate seeds the first
+        # length, so no step is timed twice); every checkpoint stores the length
+        schedule = schedule_run(run, stored=state.stored_length, started_at=started_at,
+                                seconds_per_step=choice.seconds_per_step.get(choice.precision))
         state.length = schedule
         length = schedule.length
         # 5. loop: optimiser steps with logs and periodic checkpoints

@@ -141,3 +141,18 @@ def test_config_yaml_records_the_resolved_precision_and_the_measurement(tmp_path
     assert written["plan"]["why"]["run.precision"].startswith("the faster of fp32 1600 and bf16 800 images/s")
     assert written["plan"]["precision_timing"]["images_per_second"] == {"fp32": 1600.0, "bf16": 800.0}
     assert load_config(tmp_path / "config.yaml").run.precision == "fp32"  # the record is skipped when loading
+
+
+def test_the_budget_is_sized_from_the_timed_rate_without_timing_again(monkeypatch):
+    """A timed precision's seconds per step size a budget run: calibration does not run its steps a second time."""
+    import time
+
+    from training.run import length
+
+    monkeypatch.setattr(length, "calibrate_budget", lambda *a, **k: pytest.fail("the budget timed steps again"))
+    run = build_run(load_config(None, [*TINY, "optim.budget_minutes=1"]), dist.init_distributed("cpu"))
+    before = _snapshot(run)
+    decided = length.decide_run_length(run, stored=None, started_at=time.monotonic(), seconds_per_step=0.05)
+    assert decided.decided_by == "optim.budget_minutes"
+    assert 1100 <= decided.total_steps <= 60 / 0.05 / 1.03  # 60 s at 0.05 s/step, less the 3 % reserve
+    assert _same(_snapshot(run), before)

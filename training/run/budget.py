@@ -41,7 +41,7 @@ import torch
 from training import distributed as dist
 from training.checkpoint import capture_rng_state, restore_rng_state
 
-__all__ = ["BudgetCalibration", "BudgetResizer", "Resize", "calibrate_budget", "steps_for_budget"]
+__all__ = ["BUDGET_OVERHEAD", "BudgetCalibration", "BudgetResizer", "Resize", "calibrate_budget", "steps_for_budget"]
 
 log = logging.getLogger("msn.train")
 
@@ -54,6 +54,8 @@ WARMUP_STEPS = 3
 RESIZE_EVERY = 0.02
 RATE_WINDOW = 0.1
 RESIZE_THRESHOLD = 0.01
+# The share of every step's time reserved for what a timing does not see (checkpoints, logging, unprefetched data).
+BUDGET_OVERHEAD = 0.03
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def steps_for_budget(budget_seconds: float, elapsed_seconds: float, seconds_per_
 def calibrate_budget(step_fn: Callable[[int], None], modules: list[torch.nn.Module],
                      optimizer: torch.optim.Optimizer, *, budget_seconds: float, started_at: float,
                      mask_generator: torch.Generator | None = None,
-                     overhead_fraction: float = 0.03) -> BudgetCalibration:
+                     overhead_fraction: float = BUDGET_OVERHEAD) -> BudgetCalibration:
     """Time ``step_fn`` (one full optimiser step on a fixed batch) and return the step count for the budget.
 
     The modules' and optimiser's states and the RNG streams are restored afterwards. ``started_at`` is the

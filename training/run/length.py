@@ -22,11 +22,13 @@ steps. ``RunSchedule.checkpoint_entries`` is what a checkpoint stores of it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from training import distributed as dist
 from training.config import Config
-from training.run.budget import BudgetResizer, Resize, calibrate_budget
+from training.run.budget import BUDGET_OVERHEAD, BudgetResizer, Resize, calibrate_budget, steps_for_budget
 from training.run.build import Run
 from training.run.schedules import ResizedSchedules, Schedules
 from training.run.step import start_hyperparameters, train_step
@@ -50,10 +52,12 @@ class RunLength:
         return f"{self.total_steps} steps ({self.warmup_steps} warm-up) from {self.decided_by}{stop}"
 
 
-def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunLength:
+def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: float,
+                      seconds_per_step: float | None = None) -> RunLength:
     """The run's first length, from a resumed checkpoint's entries (``RunSchedule.checkpoint_entries``), the config,
     or a timed budget. ``started_at`` is the ``time.monotonic()`` reading the budget counts from. With a budget
-    this runs (and undoes) a few optimiser steps, so every rank must call it."""
+    this runs (and undoes) a few optimiser steps, so every rank must call it, unless ``seconds_per_step`` (the rate
+    ``run.precision: auto`` measured for the chosen precision on these same steps) already says it."""
     cfg, steps_per_epoch = run.cfg, run.steps_per_epoch
     optim = cfg.optim
     first_length = (stored or {}).get("run_length")
@@ -65,7 +69,7 @@ def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: fl
     elif optim.total_steps is not None:
         total_steps, decided_by = optim.total_steps, "optim.total_steps"
     elif optim.budget_minutes is not None:
-        total_steps, decided_by = _steps_in_budget(run, started_at), "optim.budget_minutes"
+        total_steps, decided_by = _steps_in_budget(run, started_at, seconds_per_step), "optim.budget_minutes"
     else:
         total_steps, decided_by = optim.epochs * steps_per_epoch, "optim.epochs"
     counted_in_epochs = optim.total_steps is None and optim.budget_minutes is None
@@ -79,11 +83,19 @@ def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: fl
     return RunLength(total_steps, warmup_steps, stop_at, decided_by)
 
 
-def _steps_in_budget(run: Run, started_at: float) -> int:
+def _steps_in_budget(run: Run, started_at: float, measured: float | None = None) -> int:
     """Time real steps, each fetching its batch from the loader as the loop does (undone afterwards), and count
     the steps left in the budget. Timing one cached batch instead measured ~20 % fewer seconds per step than the
-    loop then took on the demo (fetching, collating and logging are part of a step's cost)."""
+    loop then took on the demo (fetching, collating and logging are part of a step's cost). ``measured``: the
+    precision timing's median for the chosen precision, taken the same way (loader batches, the metrics sync,
+    the slowest rank), so the steps are not timed twice."""
     minutes = run.cfg.optim.budget_minutes
+    if measured is not None:
+        total = dist.all_reduce_min_int(steps_for_budget(60 * minutes, time.monotonic() - started_at, measured,
+                                                         BUDGET_OVERHEAD))
+        log.info("budget %.1f min: %.3f s/step from the precision timing -> %d steps (%.0f images/s)",
+                 minutes, measured, total, run.global_batch / measured)
+        return total
     batches = _cycle(run.loader)  # a small dataset may hold fewer batches than calibration takes
     hyper = start_hyperparameters(run.cfg)
 
@@ -178,11 +190,13 @@ class RunSchedule:
         }}
 
 
-def schedule_run(run: Run, *, stored: dict[str, Any] | None, started_at: float) -> RunSchedule:
+def schedule_run(run: Run, *, stored: dict[str, Any] | None, started_at: float,
+                 seconds_per_step: float | None = None) -> RunSchedule:
     """The run's schedule: a checkpoint's stored one (``stored``: its ``total_steps`` and ``run_length``), or a new
-    one (``decide_run_length``); with ``optim.budget_minutes``, a ``BudgetResizer`` for what is left of it."""
+    one (``decide_run_length``; ``seconds_per_step`` as there); with ``optim.budget_minutes``, a ``BudgetResizer``
+    for what is left of it."""
     cfg = run.cfg
-    first = decide_run_length(run, stored=stored, started_at=started_at)
+    first = decide_run_length(run, stored=stored, started_at=started_at, seconds_per_step=seconds_per_step)
     recorded = (stored or {}).get("run_length") or {}
     resizes = tuple((int(step), int(total)) for step, total in recorded.get("replans", ()))
     schedules = ResizedSchedules(build_schedules(cfg, first), resizes)

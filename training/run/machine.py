@@ -70,7 +70,8 @@ class Machine:
         count = f"{self.device_count} x " if self.device_count > 1 else ""
         kind = "CPU" if self.device_type == "cpu" else "GPU"
         memory = f", {self.device_memory_gib:.0f} GiB" if self.device_type == "cuda" else ""
-        return (f"{count}{self.name or kind}{memory}, {self.cpu_cores} CPU cores, {self.precision}, "
+        units = self.precision if self.device_type == "cuda" else ("bf16 units" if self.bf16 else "no bf16 units")
+        return (f"{count}{self.name or kind}{memory}, {self.cpu_cores} CPU cores, {units}, "
                 f"~{self.tflops:.2g} TFLOP/s peak per device")
 
 
