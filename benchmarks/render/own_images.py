@@ -1,5 +1,6 @@
-"""The own-images section of docs/results.md, from ``benchmarks/results/flat_folder-*.json``
-(``python -m benchmarks.training.flat_folder``)."""
+"""The own-images sections of docs/results.md: a flat folder (``benchmarks/results/flat_folder-*.json``, from
+``python -m benchmarks.training.flat_folder``), other small images (``other_folders-*.json``), rendered glyphs
+(``glyph_folders-*.json``) and the warm start (``warm_start.json``)."""
 from __future__ import annotations
 
 import json
@@ -51,6 +52,27 @@ def section(results: Path) -> str:
     return "\n".join(lines)
 
 
+def _folders_table(r: dict) -> list[str]:
+    """One budget's table of a folders report (``other_folders``, ``glyph_folders``): per folder the plan, its
+    steps, the collapse detector's verdict and the scores of the bundle and of raw pixels."""
+    lines = [f"### Budget {r['budget']}", "", machine_line(r["machine"]), "",
+             "| folder | plan | steps | collapse | " + " | ".join(lbl for _, lbl in SETTINGS) + " | kNN-20 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, f in r["folders"].items():
+        config, run = f["config"], f["run"]
+        plan = (f"{config['model']['arch']}, {config['model']['image_size']} px, "
+                f"{config['model']['patches_per_side']}² patches")
+        collapse = f"at step {run['collapse']['step']:,}" if run.get("collapse") else "none"
+        for which, label in (("flat", f"{name} MSN"), ("pixels", f"{name} raw pixels")):
+            row = _row(label, f["evals"], which)
+            if which == "flat":
+                row = row.replace(f"| {label} |", f"| {label} | {plan} | {run['steps']:,} | {collapse} |", 1)
+            else:
+                row = row.replace(f"| {label} |", f"| {label} | | | |", 1)
+            lines.append(row)
+    return [*lines, ""]
+
+
 def other_folders_section(results: Path) -> str:
     """``benchmarks/results/other_folders-*.json`` (``python -m benchmarks.training.other_folders``)."""
     reports = sorted(results.glob("other_folders-*.json"))
@@ -65,23 +87,29 @@ def other_folders_section(results: Path) -> str:
               "images. The plan upsamples both to 32 px, and raw pixels are scored under the bundle's "
               "preprocessing, so the two folders share one pixel baseline."), ""]
     for path in reports:
-        r = json.loads(path.read_text())
-        lines += [f"### Budget {r['budget']}", "", machine_line(r["machine"]), "",
-                  "| folder | plan | steps | collapse | " + " | ".join(lbl for _, lbl in SETTINGS) + " | kNN-20 |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, f in r["folders"].items():
-            config, run = f["config"], f["run"]
-            plan = (f"{config['model']['arch']}, {config['model']['image_size']} px, "
-                    f"{config['model']['patches_per_side']}² patches")
-            collapse = f"at step {run['collapse']['step']:,}" if run.get("collapse") else "none"
-            for which, label in (("flat", f"{name} MSN"), ("pixels", f"{name} raw pixels")):
-                row = _row(label, f["evals"], which)
-                if which == "flat":
-                    row = row.replace(f"| {label} |", f"| {label} | {plan} | {run['steps']:,} | {collapse} |", 1)
-                else:
-                    row = row.replace(f"| {label} |", f"| {label} | | | |", 1)
-                lines.append(row)
-        lines.append("")
+        lines += _folders_table(json.loads(path.read_text()))
+    return "\n".join(lines)
+
+
+def glyph_folders_section(results: Path) -> str:
+    """``benchmarks/results/glyph_folders-*.json`` (``python -m benchmarks.training.glyph_folders``); nothing
+    until a run is filed."""
+    reports = [json.loads(p.read_text()) for p in sorted(results.glob("glyph_folders-*.json"))]
+    if not reports:
+        return ""
+    images = next(iter(reports[0]["folders"].values()))["images"]
+    sizes = "/".join(str(s) for s in images["sizes"])
+    lines = ["## Rendered glyphs: the same plan on a folder of mixed sizes", "",
+             (f"`python -m benchmarks.training.glyph_folders`: the digits 0-9 drawn with Pillow in "
+              f"{len(images['fonts'])} fonts ({', '.join(images['fonts'])}) with affine, stroke and contrast "
+              f"jitter, light on dark, grey, {sizes} px mixed in one folder; {images['train']:,} training images "
+              f"as an unlabelled folder (`glyphs-flat`: one flat folder; `glyphs-nested`: the same files two "
+              f"folders deep), pretrained with `--data DIR --budget B` and nothing else, and {images['test']:,} "
+              "test images, both balanced over classes, sizes and fonts. Low-shot: 3 seeded per-class samples of "
+              "the training part; kNN-20 against the whole training part; raw pixels under the bundle's "
+              "preprocessing. Nothing in the plan was tuned on these images."), ""]
+    for r in reports:
+        lines += _folders_table(r)
     return "\n".join(lines)
 
 

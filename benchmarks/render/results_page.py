@@ -166,7 +166,7 @@ def render(docs: Path) -> str:
     # The shipped recipe's tables come first: they are what a researcher reads first.
     parts += [render_profile(p) for p in profiles if p.get("budgeted")]
     for own in (own_images.section(results), own_images.other_folders_section(results),
-                own_images.warm_start_section(results)):
+                own_images.glyph_folders_section(results), own_images.warm_start_section(results)):
         if own:
             parts.append(own)
     parts += [render_profile(p) for p in profiles if not p.get("budgeted")]

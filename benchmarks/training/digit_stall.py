@@ -51,12 +51,26 @@ VARIANTS: dict[str, dict] = {
     "ema0.996": {"optim.ema_start": 0.996},
     "ema0.98": {"optim.ema_start": 0.98},
 }
+# combinations: views that keep more of a low-resolution glyph
+PHOTOMETRIC_OFF = {"augment.color_jitter_p": 0.0, "augment.grayscale_p": 0.0, "augment.blur_p": 0.0}
+EASY_VIEWS = {**PHOTOMETRIC_OFF, "mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15}
+VARIANTS |= {
+    "photometric_off": PHOTOMETRIC_OFF,
+    "easy_views": EASY_VIEWS,
+    "easy_views_sharp": {**EASY_VIEWS, "loss.sharpen_start": 0.1, "loss.sharpen_end": 0.1},
+}
 
 
 def data_args(data: str) -> tuple[str, str]:
-    """``(pretrain --data, msn-eval --data)`` for ``digits32``/``digits8`` or ``fashion-mnist``."""
+    """``(pretrain --data, msn-eval --data)`` for ``digits32``/``digits8``, ``glyphs`` or ``fashion-mnist``."""
     if data == "fashion-mnist":
         return "fashion-mnist", "fashion-mnist"
+    if data == "glyphs":  # benchmarks/training/glyph_folders.py's rendered digits, 16, 28 and 32 px mixed
+        from benchmarks.training.glyph_folders import SIZES, data_dir, write_glyph_folders
+
+        work = data_dir(REPO / "runs" / "glyph_folders", SIZES)
+        write_glyph_folders(work, SIZES)
+        return str(work / "flat"), str(work / "labelled")
     work = ROOT / data
     write_folders(work, int(data.removeprefix("digits")))
     return str(work / "flat"), str(work / "labelled")
@@ -129,7 +143,7 @@ def summarize(work: Path, splits: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600, help="optimiser steps per run (equal for every variant)")
-    parser.add_argument("--data", default="digits32", help="digits32, digits8 or fashion-mnist")
+    parser.add_argument("--data", default="digits32", help="digits32, digits8, glyphs or fashion-mnist")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"of {', '.join(VARIANTS)}, "
                         "candidate (every change in --candidate), or NAME=KEY=VALUE,KEY=VALUE")
     parser.add_argument("--candidate", default="", help="overrides of the 'candidate' variant: KEY=VALUE,KEY=VALUE "

@@ -99,24 +99,31 @@ def write_folders(work: Path, size: int) -> int:
     return len(train_x)
 
 
-def folder_run(work: Path, budget: str) -> Step:
+def folder_run(work: Path, budget: str, data: Path | None = None) -> Step:
+    """Pretraining on the unlabelled folder ``data`` (default ``WORK/flat``) into ``WORK/run``."""
     run_dir = work / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", "--nproc_per_node=1", "training/pretrain.py", "--data", str(work / "flat"),
-               "--budget", budget, "--output-dir", str(run_dir)]
+    command = [torchrun, "--standalone", "--nproc_per_node=1", "training/pretrain.py", "--data",
+               str(data or work / "flat"), "--budget", budget, "--output-dir", str(run_dir)]
     # the run's own output, kept beside it
     return pretrain_step(f"pretrain --data (budget {budget})", command, run_dir, log=work / "pretrain.log")
 
 
+def folder_plan(work: Path, write: Step, budget: str, data: Path, labelled: Path) -> list[Step]:
+    """``write`` (the images), pretraining on ``data``, export, and the evaluations on the ``labelled`` tree."""
+    return [write, folder_run(work, budget, data), export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
+            *bundle_and_pixels_evals(work, BUNDLE, SHOTS, data=str(labelled))]
+
+
 def build_plan(work: Path, size: int, budget: str) -> list[Step]:
-    steps = [Step(f"write the {size} px folders", ["(python) write_folders", str(work)], [work / "images.json"],
-                  lambda: print(f"{write_folders(work, size)} training images in {work / 'flat'}")),
-             folder_run(work, budget)]
-    return [*steps, export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
-            *bundle_and_pixels_evals(work, BUNDLE, SHOTS, data=str(work / "labelled"))]
+    write = Step(f"write the {size} px folders", ["(python) write_folders", str(work)], [work / "images.json"],
+                 lambda: print(f"{write_folders(work, size)} training images in {work / 'flat'}"))
+    return folder_plan(work, write, budget, work / "flat", work / "labelled")
 
 
-def collect(work: Path, size: int, budget: str) -> dict:
+def collect_run(work: Path, budget: str, images: Path, data: Path | None = None) -> dict:
+    """A finished plan's record: the images' record (``images``), the command, the planned config, the run (with
+    the step a collapse was confirmed at, if any) and the evaluations."""
     run_dir = work / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     flagged = [r for r in records if r.get("collapse")]  # the detector's record (training/run/monitor.py)
@@ -124,10 +131,25 @@ def collect(work: Path, size: int, budget: str) -> dict:
     run = {**run_record(run_dir), "collapse": collapse}
     evals = read_evals(work)
     summary = summarize_evals(evals, (BUNDLE, "pixels"))
-    return {"size": size, "images": json.loads((work / "images.json").read_text()),
-            "command": folder_run(work, budget).command,
+    return {"images": json.loads(images.read_text()), "command": folder_run(work, budget, data).command,
             "config": yaml.safe_load((run_dir / "config.yaml").read_text()), "run": run, "summary": summary,
             "evals": evals}
+
+
+def collect(work: Path, size: int, budget: str) -> dict:
+    return {"size": size, **collect_run(work, budget, work / "images.json")}
+
+
+def execute(plans: dict[Path, list[Step]], *, dry_run: bool, pretrain_only: bool) -> bool:
+    """Print (``dry_run``) or run each plan in its work folder (``pretrain_only``: its first two steps, the images
+    and the timed run); True when every plan ran to the end and its results can be collected."""
+    if dry_run:
+        for steps in plans.values():
+            print_plan(steps)
+        return False
+    for work, steps in plans.items():
+        run_steps(steps[:2] if pretrain_only else steps, work)
+    return not pretrain_only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,18 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plans and exit")
     args = parser.parse_args(argv)
     root = (args.workdir or REPO / "runs" / "other_folders").resolve()
-    plans = {size: build_plan(root / f"digits{size}-{args.budget}", size, args.budget) for size in args.sizes}
-    if args.dry_run:
-        for steps in plans.values():
-            print_plan(steps)
-        return 0
-    for size, steps in plans.items():
-        run_steps(steps[:2] if args.pretrain_only else steps, root / f"digits{size}-{args.budget}")
-    if args.pretrain_only:
+    works = {size: root / f"digits{size}-{args.budget}" for size in args.sizes}
+    plans = {work: build_plan(work, size, args.budget) for size, work in works.items()}
+    if not execute(plans, dry_run=args.dry_run, pretrain_only=args.pretrain_only):
         return 0
     report = {"machine": machine(), "budget": args.budget,
-              "folders": {f"digits{size}": collect(root / f"digits{size}-{args.budget}", size, args.budget)
-                          for size in args.sizes}}
+              "folders": {f"digits{size}": collect(work, size, args.budget) for size, work in works.items()}}
     save_json(RESULTS / f"other_folders-{args.budget}.json", report)
     return 0
 
