@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[train,serve,viz,dev]'
+	$(PIP) install -c constraints.txt -e '.[train,serve,viz,dev,milvus]'
 	@touch $@
 
 data: $(FMNIST)

@@ -45,6 +45,8 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "skimage": ("scikit-image", ("viz",)),
     "pyarrow": ("pyarrow", ()),
     "onnxconverter_common": ("onnxconverter-common", ()),
+    "pymilvus": ("pymilvus", ("milvus",)),
+    "milvus_lite": ("milvus-lite", ("milvus",)),
 }
 
 

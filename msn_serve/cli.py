@@ -56,6 +56,9 @@ FLAGS: list[tuple[str, type, str]] = [
     ("max-connections", int, "open connections; beyond, 503 + Retry-After and close"),
     ("http", str, "HTTP parser: auto (httptools when installed), httptools or h11"),
     ("intra-op-threads", int, "ONNX Runtime intra-op threads (0 = cores)"),
+    ("index-backend", str, "faiss (default) or milvus: where a new index goes unless its create names a backend"),
+    ("milvus-uri", str, ("Milvus for milvus-backed indexes: a Milvus Lite file PATH.db (embedded; default "
+                         "DATA_DIR/milvus.db) or a server URL http://host:19530 (pip install 'msn[milvus]')")),
     ("log-level", str, "debug, info, warning, error"),
     ("role", str, "writer (default) or reader (= --read-only)"),
     ("reload-poll-s", float, "reader: reload when published/CURRENT changes, checked this often (0 = off)"),
@@ -78,6 +81,7 @@ def parse_args(argv: Sequence[str] | None) -> dict:
         extra = {"choices": ["auto", "fp32", "int8", "bf16"]} if name == "precision" else extra
         extra = {"choices": ["auto", "onnxruntime", "openvino"]} if name == "runtime" else extra
         extra = {"choices": ["auto", "httptools", "h11"]} if name == "http" else extra
+        extra = {"choices": ["faiss", "milvus"]} if name == "index-backend" else extra
         extra = {"action": "append"} if name == "bundle" else extra
         p.add_argument(f"--{name}", type=typ, default=argparse.SUPPRESS, help=help_, **extra)
     p.add_argument("--no-fp16", dest="fp16", action="store_false", default=argparse.SUPPRESS,

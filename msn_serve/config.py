@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     default_lambd: float = Field(DEFAULT_LAMBD, gt=0.0, description="few-shot L2 strength before division by n "
                                                                      "(default: the low-shot protocol's)")
     wal_compact_mb: float = Field(64.0, gt=0.0, description="snapshot an index once its WAL exceeds this")
+    # A second index backend (docs/serving.md, "Milvus backend"): per index ("backend" at create) or by default.
+    index_backend: Literal["faiss", "milvus"] = Field("faiss", description="where a new index goes unless its "
+                                                                          "create names a backend")
+    milvus_uri: str | None = Field(None, description="Milvus of milvus-backed indexes: a Milvus Lite file PATH.db "
+                                                     "(embedded, one process at a time; default "
+                                                     "<data-dir>/milvus.db) or a server URL http://host:19530")
     log_level: str = "info"
     # Replica consistency (docs/deploy.md): one writer publishes snapshots, read-only replicas load them.
     role: Literal["writer", "reader"] | None = Field(None, description="reader = read_only (the k8s manifests' name)")

@@ -76,7 +76,7 @@ def publish(data_dir: Path, indexes: IndexStore, classifiers: ClassifierStore, *
                     if getattr(e, "status", None) == 404:  # dropped while we were publishing: not part of it
                         continue
                     raise
-                manifest["indexes"][name] = {"ntotal": int(idx.index.ntotal), "seq": idx.seq, "type": idx.cfg.type}
+                manifest["indexes"][name] = {"ntotal": idx.ntotal, "seq": idx.seq, "type": idx.cfg.type}
             cdir = staging / "classifiers"
             cdir.mkdir()
             for name, clf in sorted(classifiers.items.items(), key=lambda kv: kv[0]):

@@ -117,7 +117,8 @@ class Runtime:
             return (IndexStore(s.data_dir, default_dim=dim, model_id=model_id, read_only=True, device=s.device),
                     ClassifierStore(s.data_dir, model_id, read_only=True))
         return (IndexStore(s.data_dir, default_dim=dim, model_id=model_id, compact_mb=s.wal_compact_mb,
-                           metadata_mb=s.max_index_metadata_mb, device=s.device),
+                           metadata_mb=s.max_index_metadata_mb, device=s.device, backend=s.index_backend,
+                           milvus_uri=s.milvus_uri),
                 ClassifierStore(s.data_dir, model_id))
 
     def _bind_stores(self) -> None:

@@ -22,14 +22,14 @@ from msn_serve.classifiers.fewshot import FewShotClassifier
 from msn_serve.classifiers.indexvectors import positions, stored_vectors
 from msn_serve.config import check_results
 from msn_serve.errors import unprocessable
-from msn_serve.indexes.managed import ManagedIndex
+from msn_serve.indexes.base import VectorIndex
 from msn_serve.indexes.store import IndexStore
 
 DEFAULT_PAGE = 1000
 CHUNK = 8192  # rows per probability block (bounds memory at many classes)
 
 
-def _nonempty(idx: ManagedIndex, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _nonempty(idx: VectorIndex, name: str) -> tuple[np.ndarray, np.ndarray]:
     ids, vecs = stored_vectors(idx)
     if not len(ids):
         raise unprocessable(f"index {name!r} holds no items: add vectors or images first")
@@ -62,7 +62,7 @@ def fit_vectors(indexes: IndexStore, name: str, wanted: np.ndarray) -> np.ndarra
     return vecs[positions(ids, wanted, name)]
 
 
-def _check_dims(clf: FewShotClassifier, idx: ManagedIndex, name: str) -> None:
+def _check_dims(clf: FewShotClassifier, idx: VectorIndex, name: str) -> None:
     if clf.weights.shape[0] != idx.cfg.dim:
         raise unprocessable(f"classifier {clf.name!r} takes {clf.weights.shape[0]}-d vectors but index {name!r} "
                             f"holds {idx.cfg.dim}-d ones")
@@ -110,7 +110,7 @@ class PredictionCache:
     def __init__(self, size: int = 4):
         self.size, self._lock, self._items = size, threading.Lock(), OrderedDict()
 
-    def get(self, clf: FewShotClassifier, idx: ManagedIndex, ids: np.ndarray, vecs: np.ndarray) -> dict[str, Any]:
+    def get(self, clf: FewShotClassifier, idx: VectorIndex, ids: np.ndarray, vecs: np.ndarray) -> dict[str, Any]:
         key = (clf.name, id(clf), clf.info.get("created"), id(idx), idx.seq, len(ids))
         with self._lock:
             if key in self._items:
@@ -170,8 +170,7 @@ def predict_index(indexes: IndexStore, clf: FewShotClassifier, cache: Prediction
     probs = _probabilities(clf, vecs[page])
     top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
     end = offset + len(page)
-    with idx.lock:
-        texts = {int(i): idx.metadata.text(int(i)) for i in ids[page].tolist()}
+    texts = idx.metadata_texts(ids[page].tolist())
     return IndexPage(name=clf.name, index=index, total=len(ids), offset=offset, limit=limit, order=order,
                      next_offset=end if end < len(ids) else None, classes=clf.classes,
                      class_counts=dict(zip(clf.classes, entry["counts"].tolist(), strict=True)),

@@ -18,7 +18,7 @@ from msn_serve.classifiers.fitpool import FitPool
 from msn_serve.config import Settings, check_results
 from msn_serve.embedding.service import Inputs
 from msn_serve.errors import conflict, read_only_replica, unprocessable
-from msn_serve.indexes.managed import ManagedIndex
+from msn_serve.indexes.base import VectorIndex
 from msn_serve.indexes.service import IndexService
 from msn_serve.metrics import Metrics
 from msn_serve.work import WorkPool
@@ -142,11 +142,11 @@ class ClassifierService:
             self.indexes.store, clf, self.predictions, index=index, offset=offset, limit=limit, k=k, order=order,
             max_page=s.max_page, max_results=s.max_results_per_request))
 
-    def _same_model(self, clf: FewShotClassifier, idx: ManagedIndex) -> None:
+    def _same_model(self, clf: FewShotClassifier, idx: VectorIndex) -> None:
         """409 when a classifier and an index hold different models' vectors (both served, so neither check on
         its own refuses them); a store that recorded no model is taken as the default model's."""
         default = self.models.default.info.model_id
         fitted, stored = clf.info.get("model_id") or default, idx.cfg.model_id or default
         if fitted != stored:
             raise conflict(f"classifier {clf.name!r} was fitted on model {fitted!r}'s embeddings but index "
-                           f"{idx.path.name!r} holds model {stored!r}'s vectors: use an index of the same model")
+                           f"{idx.name!r} holds model {stored!r}'s vectors: use an index of the same model")

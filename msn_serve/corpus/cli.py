@@ -50,7 +50,7 @@ log = logging.getLogger("msn_serve.corpus")
 MAX_IMAGE_PIXELS = 40_000_000  # msn-serve's default max_image_pixels
 # Options of this driver only: refused (when changed from their defaults) where the torch driver takes over.
 TORCH_ONLY = ("--format", "--index", "--data-dir", "--limit", "--runtime", "--precision", "--max-image-pixels",
-              "--index-type", "--overwrite-index")
+              "--index-type", "--overwrite-index", "--index-backend", "--milvus-uri")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index-paths", action=argparse.BooleanOptionalAction, default=True,
                    help="keep each image's path as search metadata (msn-index migrate re-embeds from it)")
     p.add_argument("--overwrite-index", action="store_true", help="replace an existing index NAME")
+    p.add_argument("--index-backend", choices=["faiss", "milvus"], default="faiss",
+                   help="milvus: write the index into a Milvus collection instead (msn-serve's backend 'milvus'; "
+                        "pip install 'msn[milvus]')")
+    p.add_argument("--milvus-uri", help="with --index-backend milvus: Milvus Lite PATH.db or server URL (default "
+                   "DATA_DIR/milvus.db, as msn-serve)")
     return p
 
 
@@ -104,7 +109,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.index is not None:
         if not NAME_RE.fullmatch(args.index):
             p.error(f"--index {args.index!r} must match {NAME_RE.pattern} (msn-serve's rule for index names)")
-        if (args.data_dir / "indexes" / args.index).exists() and not args.overwrite_index:
+        if args.index_backend == "faiss" and (args.data_dir / "indexes" / args.index).exists() and \
+                not args.overwrite_index:
             p.error(f"index {args.index} exists in {args.data_dir}; pass --overwrite-index to replace it")
     if args.format == "parquet" and (why := parquet_missing()):
         p.error(why)
@@ -216,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build_index(args: argparse.Namespace) -> int:
+    if args.index_backend == "milvus":
+        return _milvus_index(args)
     from msn_serve.indexes import build as msn_index
 
     cmd = ["build", "--embeddings", str(args.out), "--data-dir", str(args.data_dir), "--name", args.index,
@@ -227,6 +235,23 @@ def _build_index(args: argparse.Namespace) -> int:
         print(f"msn-embed: the embeddings in {args.out} are complete; build the index again with msn-index "
               + " ".join(cmd), file=sys.stderr)
     return rc
+
+
+def _milvus_index(args: argparse.Namespace) -> int:
+    import json
+
+    from msn_serve.corpus.to_milvus import shards_to_milvus
+    from msn_serve.indexes.milvus_copy import CopyError
+
+    try:
+        out = shards_to_milvus(args.out, args.data_dir, args.index, args.milvus_uri or str(args.data_dir / "milvus.db"),
+                               index_type=args.index_type, store_paths=args.index_paths, overwrite=args.overwrite_index)
+    except (CopyError, ValueError) as e:  # MilvusUnavailable is a ValueError
+        print(f"msn-embed: {e}; the embeddings in {args.out} are complete: run msn-embed again to retry the index",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
 
 
 if __name__ == "__main__":

@@ -262,6 +262,9 @@ class IndexCreateRequest(RequestModel):
     retune_growth: float | None = Field(None, gt=1.1, le=100.0, description="auto: re-tune after growing this many "
                                                                            "times (default 2)")
     deletes: bool | None = Field(None, description="auto: only kinds that can delete/replace (default true)")
+    backend: Literal["faiss", "milvus"] | None = Field(
+        None, description="faiss (files in the data directory) or milvus (a collection in --milvus-uri); default: "
+                          "the server's --index-backend")
     model: ModelName = None
 
     def spec(self) -> dict[str, Any]:

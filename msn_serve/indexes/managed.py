@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -34,6 +33,7 @@ from msn_core.durable import atomic_write, quarantine, remove_durably, replace_d
 from msn_serve.errors import conflict, not_found, persisting, read_only_replica, too_large, unprocessable
 from msn_serve.indexes import auto as index_auto
 from msn_serve.indexes import gpu as index_gpu
+from msn_serve.indexes.base import check_ids, prepare_vectors
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
 from msn_serve.indexes.files import (
     INDEX_FILE,
@@ -48,12 +48,14 @@ from msn_serve.indexes.metadata import Metadata, Texts, to_texts
 from msn_serve.indexes.wal import WriteAheadLog
 
 log = logging.getLogger("msn_serve.indexes")
-MAX_ID = 2**63 - 1
-F32_MAX = float(np.finfo(np.float32).max)
+LOOP_KINDS = ("flat", "ivf", "hnsw")  # kinds that keep raw vectors to give back (the label loop, migration)
 
 
 class ManagedIndex:
-    """One index: all mutations and searches hold ``lock`` (FAISS mutations are not thread-safe)."""
+    """One FAISS index (a :class:`~msn_serve.indexes.base.VectorIndex`): all mutations and searches hold ``lock``
+    (FAISS mutations are not thread-safe)."""
+
+    backend = "faiss"
 
     compact_bytes = 64 * 2**20  # the store sets both from the settings
     metadata_limit: int | None = None
@@ -72,6 +74,10 @@ class ManagedIndex:
         self.retuning = False  # auto: a background re-tune is running
         self._pending: list[tuple] | None = None  # mutations applied while it runs, replayed on its result
         self.last_tuning: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
 
     # ---- persistence ------------------------------------------------------------------------------------------
     @classmethod
@@ -159,6 +165,18 @@ class ManagedIndex:
                     remove_durably(self.path / stale)
             self.wal.truncate(0)  # records <= seq are in the snapshot; a crash before this only re-skips them
 
+    def drop(self) -> None:
+        """Remove the directory (renaming it away is the commit point): gone from its name, it is dropped, whatever
+        a later fsync said."""
+        with self.lock:
+            try:
+                remove_durably(self.path)
+            finally:
+                if not self.path.exists():
+                    if self.wal is not None:
+                        self.wal.close()
+                    self.closed = True
+
     def close(self) -> None:
         with self.lock:
             if self.closed:
@@ -182,24 +200,7 @@ class ManagedIndex:
 
     # ---- mutations --------------------------------------------------------------------------------------------
     def _prepare(self, vecs: np.ndarray) -> np.ndarray:
-        """float32 (n, dim), finite; L2-normalised (in float64, so huge values cannot overflow) if the index
-        normalises, else small enough that squared distances and inner products stay finite in float32."""
-        v = np.asarray(vecs)
-        if v.ndim != 2 or v.shape[1] != self.cfg.dim:
-            raise unprocessable(f"vectors must have shape (n, {self.cfg.dim}), got {tuple(v.shape)}")
-        v = v.astype(np.float64)
-        if not np.isfinite(v).all():
-            raise unprocessable("vectors contain NaN or infinity")
-        if self.cfg.normalize:
-            norms = np.linalg.norm(v, axis=1, keepdims=True)
-            if (norms == 0).any():
-                raise unprocessable("cannot normalise an all-zero vector (index was created with normalize)")
-            return np.ascontiguousarray(v / norms, dtype=np.float32)
-        bound = math.sqrt(F32_MAX / (4 * self.cfg.dim))
-        if v.size and np.abs(v).max() > bound:
-            raise unprocessable(f"vector components must be within ±{bound:.3g} in an index without normalisation "
-                                f"(distances must stay finite in float32)")
-        return np.ascontiguousarray(v, dtype=np.float32)
+        return prepare_vectors(self.cfg, vecs)
 
     def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> None:
         if self._pending is not None:
@@ -224,7 +225,7 @@ class ManagedIndex:
 
     def add(self, ids: Any, vecs: np.ndarray, metadata: list | None = None) -> dict[str, int]:
         """Add (or replace) vectors under ``ids``; durable (WAL fsync'd or snapshot written) before it returns."""
-        arr = _check_ids(ids)
+        arr = check_ids(ids)
         v = self._prepare(vecs)
         if v.shape[0] != arr.size:
             raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
@@ -289,7 +290,7 @@ class ManagedIndex:
             raise
 
     def remove(self, ids: Any) -> dict[str, Any]:
-        arr = _check_ids(ids)
+        arr = check_ids(ids)
         if not self.cfg.replaceable:
             raise conflict(f"{self.cfg.why_immutable} (FAISS limitation); use a flat, ivf or auto index")
         with self.lock, persisting(f"delete from index {self.path.name!r}"):
@@ -371,29 +372,33 @@ class ManagedIndex:
     def ntotal(self) -> int:
         return int(self.index.ntotal)
 
+    def stored_vectors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every stored ``(ids, vectors)``: flat and hnsw through their flat storage, ivf from its inverted lists;
+        ivfpq keeps compressed codes only (a 422)."""
+        if self.cfg.type not in LOOP_KINDS:
+            raise unprocessable(f"index {self.name!r} is {self.cfg.type}: its vectors are compressed codes and "
+                                f"cannot be given back, so the label loop works on {', '.join(LOOP_KINDS)} indexes "
+                                "only (build one of those for labelling)")
+        with self.lock:
+            self._check_open()
+            return index_auto.vectors_of(self.index, self.cfg)
+
+    def metadata_texts(self, ids: list[int]) -> dict[int, str | None]:
+        with self.lock:
+            return {i: self.metadata.text(i) for i in ids}
+
     def stats(self) -> dict[str, Any]:
         with self.lock:
             auto = {"next_tuning": self.cfg.next_tuning(), "retuning": self.retuning,
                     "last_tuning": self.last_tuning} if self.cfg.auto else None
-            return {"name": self.path.name, **asdict(self.cfg), "ntotal": int(self.index.ntotal),
+            return {"name": self.path.name, "backend": self.backend, **asdict(self.cfg),
+                    "ntotal": int(self.index.ntotal),
                     "device": self.search_device, "auto_tuning": auto,
                     "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
                     "metadata_bytes": self.metadata.nbytes,
                     "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
                     else "squared L2 distance (lower is closer)"}
-
-
-def _check_ids(ids: Any) -> np.ndarray:
-    if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1 and ids.size:
-        ids = ids.tolist()  # from the request model (already checked); checked again for in-process callers
-    if not isinstance(ids, list) or not ids:
-        raise unprocessable("ids must be a non-empty JSON list of integers")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_ID for i in ids):
-        raise unprocessable(f"ids must be integers in [0, {MAX_ID}]")
-    if len(set(ids)) != len(ids):
-        raise unprocessable("ids contain duplicates")
-    return np.asarray(ids, dtype=np.int64)
 
 
 def _copy(path: Path) -> Path:

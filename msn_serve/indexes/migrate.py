@@ -13,6 +13,11 @@ path, and the old one in the backups once the new one is in). The options, ids a
 Ids without a stored path, or whose file cannot be read, cannot be re-embedded: they are counted and listed, nothing
 is changed, and the exit status is 1, unless ``--allow-partial`` writes the index without them (still exit status 1,
 with the counts). The server must be stopped (the data directory's lock is taken).
+
+A Milvus index (:mod:`msn_serve.indexes.milvus`) is migrated the same way, into a new collection swapped in under
+its name (:mod:`msn_serve.indexes.milvus_copy`). ``--to milvus`` instead moves a FAISS index, as it is (ids,
+vectors, metadata, model), into a Milvus collection of the same name, checked id by id before the FAISS directory
+goes to the backups.
 """
 from __future__ import annotations
 
@@ -148,11 +153,51 @@ def migrate(args: argparse.Namespace) -> int:
         raise MigrateError(f"{e}: stop msn-serve first, then start it again to load the migrated index") from None
     try:
         recover_dir(path)  # an earlier build or migrate killed mid-swap: its index is the one there is
+        uri = args.milvus_uri or str(args.data_dir / "milvus.db")
+        if args.to == "milvus":
+            return _to_milvus(path, args.data_dir, uri)
         if not (path / "config.json").is_file():
+            if args.milvus_uri or Path(uri).exists():
+                return _milvus_reembed(args, uri)
             raise MigrateError(f"{path}: no such index (expected DATA_DIR/indexes/NAME/config.json)")
+        if args.bundle is None:
+            raise MigrateError("give --bundle (the model to migrate to) or --to milvus")
         return _migrate(args, path)
     finally:
         os.close(lock)
+
+
+def _to_milvus(path: Path, data_dir: Path, uri: str) -> int:
+    from msn_serve.indexes.milvus_copy import CopyError, faiss_to_milvus
+
+    if not (path / "config.json").is_file():
+        raise MigrateError(f"{path}: no FAISS index to move (expected DATA_DIR/indexes/NAME/config.json)")
+    try:
+        out = faiss_to_milvus(path, data_dir, uri)
+    except CopyError as e:
+        raise MigrateError(str(e)) from None
+    print(json.dumps(out))
+    print(f"msn-index: index {path.name!r} moved to Milvus ({out['ids']} ids, every one checked); the FAISS "
+          f"directory is kept in {out['backup']}", file=sys.stderr)
+    return 0
+
+
+def _milvus_reembed(args: argparse.Namespace, uri: str) -> int:
+    from msn_serve.indexes.milvus import MilvusConnection
+    from msn_serve.indexes.milvus_copy import CopyError, reembed_milvus
+
+    if args.bundle is None:
+        raise MigrateError("give --bundle: the model to migrate the Milvus index to")
+    conn = MilvusConnection(uri)
+    try:
+        if args.name not in conn.collections():
+            raise MigrateError(f"no index {args.name!r} on FAISS ({args.data_dir / 'indexes'}) or in "
+                               f"{conn.describe()}")
+        return reembed_milvus(args, conn, embed_files, args.image_root)
+    except CopyError as e:
+        raise MigrateError(str(e)) from None
+    finally:
+        conn.close()
 
 
 def _migrate(args: argparse.Namespace, path: Path) -> int:
@@ -224,7 +269,10 @@ def add_parser(sub: Any) -> None:
     m = sub.add_parser("migrate", help="re-embed an index for another model from its images' stored paths")
     m.add_argument("--data-dir", type=Path, required=True, help="msn-serve data directory (server stopped)")
     m.add_argument("--name", required=True, help="index name")
-    m.add_argument("--bundle", type=Path, required=True, help="the bundle msn-serve will run")
+    m.add_argument("--bundle", type=Path, help="the bundle msn-serve will run (re-embeds the index for it)")
+    m.add_argument("--to", choices=["milvus"], help="instead: move the FAISS index as it is into Milvus")
+    m.add_argument("--milvus-uri", help="Milvus Lite PATH.db or server URL (default DATA_DIR/milvus.db, as "
+                   "msn-serve)")
     m.add_argument("--image-root", type=Path, help="where relative paths point (default: the folder msn-index "
                    "build recorded)")
     m.add_argument("--allow-partial", action="store_true", help="write the index without the ids that cannot be "
@@ -235,6 +283,6 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return migrate(args)
-    except (MigrateError, ValueError) as e:  # BundleError is a ValueError
+    except (MigrateError, ValueError) as e:  # BundleError and MilvusUnavailable are ValueErrors
         print(f"msn-index: error: {e}", file=sys.stderr)
         return 2

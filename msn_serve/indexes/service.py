@@ -1,4 +1,4 @@
-"""FAISS indexes as a service: create, add, search, remove, stats and drop, by name.
+"""Indexes as a service: create, add, search, remove, stats and drop, by name, on FAISS or Milvus alike.
 
 Methods take names, id arrays, :class:`~msn_serve.embedding.service.Inputs` and the option dicts of
 :func:`msn_serve.indexes.config.config_from_spec`; they give back stats dicts and :class:`SearchHits`. The policies
@@ -15,7 +15,7 @@ import numpy as np
 from msn_serve.config import Settings, check_results
 from msn_serve.embedding.service import Inputs
 from msn_serve.errors import read_only_replica, too_large
-from msn_serve.indexes.managed import ManagedIndex
+from msn_serve.indexes.base import VectorIndex
 from msn_serve.indexes.metadata import Texts
 from msn_serve.indexes.store import IndexStore
 from msn_serve.work import WorkPool
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SearchHits:
-    """Nearest neighbours of each query: FAISS' arrays (``-1`` ids pad rows with fewer hits) and stored metadata."""
+    """Nearest neighbours of each query: arrays (``-1`` ids pad rows with fewer hits) and stored metadata."""
 
     metric: str
     scores: np.ndarray  # (queries, k)
@@ -46,7 +46,7 @@ class IndexService:
         self.settings, self.store, self.read_only = settings, store, read_only
         self.models, self.work = models, work
 
-    def get(self, name: str) -> ManagedIndex:
+    def get(self, name: str) -> VectorIndex:
         """The index named ``name`` (404 when there is none)."""
         return self.store.get(name)
 
@@ -58,7 +58,7 @@ class IndexService:
         (the store fills in defaults, the width from that model); its stats."""
         info = self.models.get(model).info
         idx = await self.work.run(lambda: self.store.create(name, spec, model_id=info.model_id,
-                                                            default_dim=info.embed_dim))
+                                                            default_dim=info.embed_dim, feature=info.feature))
         return idx.stats()
 
     async def drop(self, name: str) -> None:
@@ -78,7 +78,8 @@ class IndexService:
             vecs = await model.embedding.vectors(inputs, "vectors", dim)
         if idx is None:
             idx = await self.work.run(lambda: self.store.create(name, {"dim": vecs.shape[1]}, exist_ok=True,
-                                                                model_id=model.info.model_id))
+                                                                model_id=model.info.model_id,
+                                                                feature=model.info.feature))
         out = await self.work.run(idx.add, ids, vecs, metadata)
         return {"name": name, **out, "ntotal": idx.ntotal}
 

@@ -1,8 +1,12 @@
-"""The set of indexes under ``<data-dir>/indexes``: loading (quarantining what cannot be read), create and drop.
+"""The set of indexes: loading (quarantining what cannot be read), create and drop, on FAISS or Milvus.
 
-Create and drop are serialised by one lock; each index serialises its own writes and searches
-(:class:`~msn_serve.indexes.managed.ManagedIndex`). The per-index limits (WAL compaction size, metadata bytes) come from the
-settings and are handed to every index here.
+A FAISS index (the default) lives under ``<data-dir>/indexes/<name>`` (:class:`~msn_serve.indexes.managed.ManagedIndex`);
+a Milvus one in a collection (:class:`~msn_serve.indexes.milvus.MilvusIndex`), created with ``"backend": "milvus"``
+or on a server started with ``--index-backend milvus``. Both are :class:`~msn_serve.indexes.base.VectorIndex`:
+nothing above this module asks which one it holds. Milvus is connected when it is used: at start-up when
+``--milvus-uri`` is given, the default backend is Milvus or ``<data-dir>/milvus.db`` exists, else at its first
+create. Create and drop are serialised by one lock; each index serialises its own writes and searches. The per-index
+limits (WAL compaction size, metadata bytes) come from the settings and are handed to every index here.
 """
 from __future__ import annotations
 
@@ -10,13 +14,26 @@ import logging
 import threading
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from msn_core.durable import quarantine, recover_dirs, remove_durably
-from msn_serve.errors import check_model, conflict, model_matches, not_found, persisting, read_only_replica
+from msn_core.durable import quarantine, recover_dirs
+from msn_serve.errors import (
+    ApiError,
+    check_model,
+    conflict,
+    model_matches,
+    not_found,
+    persisting,
+    read_only_replica,
+    unprocessable,
+)
 from msn_serve.indexes import gpu as index_gpu
+from msn_serve.indexes.base import BACKENDS, VectorIndex
 from msn_serve.indexes.config import config_from_spec
 from msn_serve.indexes.managed import ManagedIndex
+
+if TYPE_CHECKING:
+    from msn_serve.indexes.milvus import MilvusConnection
 
 log = logging.getLogger("msn_serve.indexes")
 
@@ -26,8 +43,12 @@ class IndexStore:
 
     def __init__(self, data_dir: Path, *, default_dim: int, model_id: str, compact_mb: float = 64.0,
                  metadata_mb: float | None = None, root: Path | None = None, read_only: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", backend: str = "faiss", milvus_uri: str | None = None):
         self.data_dir, self.read_only = data_dir, read_only
+        self.backend = backend  # where an index goes when its create names no backend
+        self.milvus_uri = milvus_uri or str(data_dir / "milvus.db")  # Milvus Lite in the data directory by default
+        self._milvus_given = milvus_uri is not None
+        self._milvus: MilvusConnection | None = None
         self.device = index_gpu.resolve_device(device)  # "cpu" with a warning when faiss sees no GPU
         self.root = root or data_dir / "indexes"
         if not read_only:
@@ -38,7 +59,7 @@ class IndexStore:
         self.compact_bytes = int(compact_mb * 2**20)
         self.metadata_limit = None if metadata_mb is None else int(metadata_mb * 2**20)
         self._lock = threading.Lock()
-        self.indexes: dict[str, ManagedIndex] = {}
+        self.indexes: dict[str, VectorIndex] = {}
 
     def load_all(self) -> list[str]:
         problems = []
@@ -55,18 +76,46 @@ class IndexStore:
             except Exception as e:  # noqa: BLE001 - any parse failure means: quarantine, keep serving the rest
                 quarantine(self.data_dir, p, f"cannot load index: {e!r}")
                 problems.append(p.name)
+        if not self.read_only and (self._milvus_given or self.backend == "milvus" or Path(self.milvus_uri).exists()):
+            problems += self._load_milvus()
         return problems
 
-    def find(self, name: str) -> ManagedIndex | None:
+    def milvus(self) -> MilvusConnection:
+        """The Milvus connection, opened on first use (``MilvusUnavailable``, a ValueError, when it cannot be)."""
+        if self._milvus is None:
+            from msn_serve.indexes.milvus import MilvusConnection
+
+            self._milvus = MilvusConnection(self.milvus_uri)
+        return self._milvus
+
+    def _load_milvus(self) -> list[str]:
+        """Open every msn-serve collection; a name also on FAISS keeps the FAISS index (an interrupted
+        ``msn-index migrate --to milvus`` left its copy, which the next migrate replaces)."""
+        from msn_serve.indexes.milvus import MilvusIndex
+
+        conn, problems = self.milvus(), []
+        for name in sorted(conn.collections()):
+            if name in self.indexes:
+                log.warning("index %s is on FAISS and in %s; serving the FAISS one (an interrupted msn-index "
+                            "migrate --to milvus? run it again)", name, conn.describe())
+                continue
+            try:
+                self.indexes[name] = self._configure(MilvusIndex.open(conn, name))
+            except Exception as e:  # noqa: BLE001 - one unreadable collection must not stop the others
+                log.error("index %s: cannot open its Milvus collection (%r); not served", name, e)
+                problems.append(name)
+        return problems
+
+    def find(self, name: str) -> VectorIndex | None:
         return self.indexes.get(name)
 
-    def get(self, name: str) -> ManagedIndex:
+    def get(self, name: str) -> VectorIndex:
         idx = self.indexes.get(name)
         if idx is None:
             raise not_found(f"no index named {name!r}")
         return idx
 
-    def bound(self, name: str) -> ManagedIndex:
+    def bound(self, name: str) -> VectorIndex:
         """The index named ``name`` for a search, a write or the label loop: 404 when there is none, 409
         (:class:`~msn_serve.errors.ModelMismatch`) when another model made it. Stats and drop use :meth:`get`."""
         idx = self.get(name)
@@ -83,23 +132,43 @@ class IndexStore:
                 for idx in list(self.indexes.values())]
 
     def create(self, name: str, spec: dict[str, Any], *, exist_ok: bool = False, model_id: str | None = None,
-               default_dim: int | None = None) -> ManagedIndex:
-        """A new index bound to ``model_id`` (default: the store's model), ``default_dim`` wide unless ``spec``
-        says otherwise."""
+               default_dim: int | None = None, feature: str = "") -> VectorIndex:
+        """A new index bound to ``model_id`` (default: the store's model; ``feature``: its bundle's), ``default_dim``
+        wide unless ``spec`` says otherwise, on ``spec["backend"]`` (default: the store's)."""
         if self.read_only:
             raise read_only_replica()
+        spec = dict(spec)
+        backend = spec.pop("backend", self.backend)
+        if backend not in BACKENDS:
+            raise unprocessable(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
         with self._lock:
             if name in self.indexes:
                 if exist_ok:
                     return self.indexes[name]
                 raise conflict(f"index {name!r} already exists")
+            if backend == "milvus":
+                return self._create_milvus(name, spec, model_id, default_dim, feature)
             cfg = config_from_spec(spec, default_dim or self.default_dim, model_id or self.model_id)
             with persisting(f"create index {name!r}"):
                 idx = self._configure(ManagedIndex.create(self.root / name, cfg, self.device))
             self.indexes[name] = idx
             return idx
 
-    def _configure(self, idx: ManagedIndex) -> ManagedIndex:
+    def _create_milvus(self, name: str, spec: dict[str, Any], model_id: str | None, default_dim: int | None,
+                       feature: str) -> VectorIndex:
+        from msn_serve.indexes.milvus import MilvusIndex, MilvusUnavailable, check_spec
+
+        check_spec(spec)
+        cfg = config_from_spec(spec, default_dim or self.default_dim, model_id or self.model_id)
+        try:
+            conn = self.milvus()
+        except MilvusUnavailable as e:
+            raise ApiError(503, str(e)) from None
+        idx = self._configure(MilvusIndex.create(conn, name, cfg, feature=feature))
+        self.indexes[name] = idx
+        return idx
+
+    def _configure(self, idx: VectorIndex) -> VectorIndex:
         idx.compact_bytes, idx.metadata_limit = self.compact_bytes, self.metadata_limit
         return idx
 
@@ -108,25 +177,25 @@ class IndexStore:
             raise read_only_replica()
         with self._lock:
             idx = self.get(name)
-            with idx.lock:
-                try:
-                    with persisting(f"delete index {name!r}"):
-                        remove_durably(idx.path)  # renaming the directory away is the commit point
-                finally:
-                    if not idx.path.exists():  # gone from its name: dropped, whatever a later fsync said
-                        idx.wal.close()
-                        idx.closed = True
-                        self.indexes.pop(name, None)
+            try:
+                with persisting(f"delete index {name!r}"):
+                    idx.drop()
+            finally:
+                if idx.closed:  # gone from its name: dropped, whatever a later fsync said
+                    self.indexes.pop(name, None)
 
     def close(self) -> None:
         foreign = self.mismatched()
         for idx in self.indexes.values():
             try:
-                if idx.path.name in foreign and idx.wal is not None:  # another model's index: left byte for byte
+                if idx.name in foreign:  # another model's index: left byte for byte
                     with idx.lock:
-                        idx.wal.close()
+                        if getattr(idx, "wal", None) is not None:
+                            idx.wal.close()
                         idx.closed = True
                     continue
                 idx.close()
             except Exception:
-                log.exception("closing index %s", idx.path.name)
+                log.exception("closing index %s", idx.name)
+        if self._milvus is not None:
+            self._milvus.close()

@@ -68,16 +68,22 @@ def test_hostile_searches_are_refused_and_memory_stays_bounded(srv: Server, http
     assert srv.alive() and http.get("/healthz").status_code == 200
 
 
-def test_metadata_per_index_is_bounded(http):
+@pytest.mark.parametrize("backend", ["faiss", "milvus"])
+def test_metadata_per_index_is_bounded(http, backend: str):
+    if backend == "milvus":
+        pytest.importorskip("pymilvus")
+    name = f"capped-{backend}"
+    assert http.post(f"/index/{name}", json={"backend": backend}).status_code == 201
     entry = {"blob": "z" * (60 * 1024)}
     for start in range(0, 60, 30):  # 60 x 60 KB = 3.5 MB: within --max-index-metadata-mb 4
-        r = http.post("/index/capped/add", json={"ids": list(range(start, start + 30)), "vectors": _vectors(30, start),
-                                                 "metadata": [entry] * 30})
+        r = http.post(f"/index/{name}/add", json={"ids": list(range(start, start + 30)),
+                                                  "vectors": _vectors(30, start), "metadata": [entry] * 30})
         assert r.status_code == 200, r.text
-    r = http.post("/index/capped/add", json={"ids": list(range(60, 90)), "vectors": _vectors(30), "metadata": [entry] * 30})
+    r = http.post(f"/index/{name}/add", json={"ids": list(range(60, 90)), "vectors": _vectors(30),
+                                              "metadata": [entry] * 30})
     assert r.status_code == 413 and "max_index_metadata_mb" in r.json()["error"]
-    r = http.post("/index/capped/add", json={"ids": [0], "vectors": _vectors(1)})  # replacing frees its bytes
-    assert r.status_code == 200 and http.get("/index/capped").json()["with_metadata"] == 59
+    r = http.post(f"/index/{name}/add", json={"ids": [0], "vectors": _vectors(1)})  # replacing frees its bytes
+    assert r.status_code == 200 and http.get(f"/index/{name}").json()["with_metadata"] == 59
 
 
 # ---- defect 4: 32 requests that returned 500, from 8 causes --------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The label loop over HTTP: select, fit from stored ids, suggest, predict_index (real server, FAISS, cyanure).
+"""The label loop over HTTP: select, fit from stored ids, suggest, predict_index (real server, FAISS, Milvus Lite,
+cyanure). The main tests run on a FAISS ``flat`` index and on a Milvus one (``mflat``) holding the same items.
 
 The data are four well-separated clusters of 64-d vectors (the tiny bundle's width) plus a few items halfway
 between two clusters, so "diverse", "representative" and "uncertain" have answers a test can check.
@@ -42,6 +43,9 @@ def loop_server(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             meta = [{"file": f"img{i}.png"} for i in ids]
             assert c.post(f"/index/{kind}/add", json={"ids": ids, "vectors": vecs.tolist(), "metadata": meta}
                           ).status_code == 200
+        assert c.post("/index/mflat", json={"backend": "milvus"}).status_code == 201
+        assert c.post("/index/mflat/add", json={"ids": ids, "vectors": vecs.tolist(),
+                                                "metadata": [{"file": f"img{i}.png"} for i in ids]}).status_code == 200
         assert c.post("/index/other", json={}).status_code == 201
         assert c.post("/index/other/add", json={"ids": [5000, 5001], "vectors": vecs[:2].tolist()}).status_code == 200
         assert c.post("/index/empty", json={}).status_code == 201
@@ -66,21 +70,22 @@ def fit(c, name: str, ids: list[int], index: str = "flat", **kw):
 
 
 # ---- select -----------------------------------------------------------------------------------------------------
-def test_select_is_deterministic_diverse_and_excludes(c):
-    first = c.post("/index/flat/select", json={"n": 4, "seed": 3})
+@pytest.mark.parametrize("index", ["flat", "mflat"])
+def test_select_is_deterministic_diverse_and_excludes(c, index):
+    first = c.post(f"/index/{index}/select", json={"n": 4, "seed": 3})
     assert first.status_code == 200, first.text
     ids = first.json()["ids"]
-    assert ids == c.post("/index/flat/select", json={"n": 4, "seed": 3}).json()["ids"]
+    assert ids == c.post(f"/index/{index}/select", json={"n": 4, "seed": 3}).json()["ids"]
     assert sorted(cluster_of(i) for i in ids) == [0, 1, 2, 3]  # one representative per cluster, no boundary item
     for strategy in ("kmeans", "kcenter", "random"):
-        a = c.post("/index/flat/select", json={"n": 6, "seed": 1, "strategy": strategy}).json()["ids"]
-        assert a == c.post("/index/flat/select", json={"n": 6, "seed": 1, "strategy": strategy}).json()["ids"]
+        a = c.post(f"/index/{index}/select", json={"n": 6, "seed": 1, "strategy": strategy}).json()["ids"]
+        assert a == c.post(f"/index/{index}/select", json={"n": 6, "seed": 1, "strategy": strategy}).json()["ids"]
         assert len(set(a)) == 6
-    assert c.post("/index/flat/select", json={"n": 6, "seed": 2, "strategy": "random"}).json()["ids"] != \
-        c.post("/index/flat/select", json={"n": 6, "seed": 1, "strategy": "random"}).json()["ids"]
+    assert c.post(f"/index/{index}/select", json={"n": 6, "seed": 2, "strategy": "random"}).json()["ids"] != \
+        c.post(f"/index/{index}/select", json={"n": 6, "seed": 1, "strategy": "random"}).json()["ids"]
     # labelled clusters count as covered: the next pick comes from a cluster with no label yet
     covered = [100, 115, 130]
-    nxt = c.post("/index/flat/select", json={"n": 1, "exclude_ids": covered}).json()
+    nxt = c.post(f"/index/{index}/select", json={"n": 1, "exclude_ids": covered}).json()
     assert cluster_of(nxt["ids"][0]) == 3 and nxt["available"] == 64 - 3
 
 
@@ -100,7 +105,7 @@ def test_select_caps_n_and_refuses_bad_input(c):
 
 
 # ---- fit from stored items ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw", "mflat"])
 def test_fit_from_ids_matches_fit_from_vectors(c, kind):
     ids, vecs, _, _ = clustered()
     chosen = [100, 101, 115, 116, 130, 131, 145, 146]
@@ -140,21 +145,22 @@ def test_fit_from_ids_bad_input(c):
 
 
 # ---- suggest ----------------------------------------------------------------------------------------------------
-def test_suggest_prefers_uncertain_diverse_items_and_skips_fit_ids(c):
+@pytest.mark.parametrize("index", ["flat", "mflat"])
+def test_suggest_prefers_uncertain_diverse_items_and_skips_fit_ids(c, index):
     _, _, _, boundary = clustered()
     chosen = [100, 101, 115, 116, 130, 131, 145, 146]
-    assert fit(c, "sug", chosen).status_code == 201
-    r = c.post("/fewshot/sug/suggest", json={"index": "flat", "n": 4, "seed": 0})
+    assert fit(c, "sug", chosen, index).status_code == 201
+    r = c.post("/fewshot/sug/suggest", json={"index": index, "n": 4, "seed": 0})
     assert r.status_code == 200, r.text
     body = r.json()
     assert sorted(body["ids"]) == boundary  # the four items between clusters, one per uncertain group
     assert body["uncertainty"] == sorted(body["uncertainty"], reverse=True)
     assert body["available"] == 64 - len(chosen)
-    assert body == c.post("/fewshot/sug/suggest", json={"index": "flat", "n": 4, "seed": 0}).json()
+    assert body == c.post("/fewshot/sug/suggest", json={"index": index, "n": 4, "seed": 0}).json()
     for strategy in ("entropy", "typical", "random"):
-        got = c.post("/fewshot/sug/suggest", json={"index": "flat", "n": 30, "strategy": strategy}).json()["ids"]
+        got = c.post("/fewshot/sug/suggest", json={"index": index, "n": 30, "strategy": strategy}).json()["ids"]
         assert len(got) == 30 and not set(got) & set(chosen), strategy
-    rest = c.post("/fewshot/sug/suggest", json={"index": "flat", "n": 30, "exclude_ids": list(range(100, 150))})
+    rest = c.post("/fewshot/sug/suggest", json={"index": index, "n": 30, "exclude_ids": list(range(100, 150))})
     assert sorted(rest.json()["ids"]) == [*range(150, 160), *boundary]  # n capped at what is left
 
 
@@ -179,11 +185,12 @@ def test_suggest_bad_input(c):
 
 
 # ---- predict_index ------------------------------------------------------------------------------------------------
-def test_predict_index_pages_counts_and_order(c):
-    assert fit(c, "pi", [100, 101, 115, 116, 130, 131, 145, 146]).status_code == 201
+@pytest.mark.parametrize("index", ["flat", "mflat"])
+def test_predict_index_pages_counts_and_order(c, index):
+    assert fit(c, "pi", [100, 101, 115, 116, 130, 131, 145, 146], index).status_code == 201
     seen, offset, pages = [], 0, 0
     while offset is not None:
-        r = c.post("/fewshot/pi/predict_index", json={"index": "flat", "offset": offset, "limit": 25, "k": 2})
+        r = c.post("/fewshot/pi/predict_index", json={"index": index, "offset": offset, "limit": 25, "k": 2})
         assert r.status_code == 200, r.text
         page = r.json()
         assert page["total"] == 64 and len(page["items"]) <= 25
@@ -196,10 +203,10 @@ def test_predict_index_pages_counts_and_order(c):
         assert it["metadata"] == {"file": f"img{it['id']}.png"}
         if it["id"] < 900:
             assert it["label"] == f"c{cluster_of(it['id'])}"
-    unc = c.post("/fewshot/pi/predict_index", json={"index": "flat", "limit": 25, "k": 2, "order": "uncertain"}).json()
+    unc = c.post("/fewshot/pi/predict_index", json={"index": index, "limit": 25, "k": 2, "order": "uncertain"}).json()
     margins = [it["margin"] for it in unc["items"]]
     assert margins == sorted(margins) and {it["id"] for it in unc["items"][:4]} == set(clustered()[3])
-    beyond = c.post("/fewshot/pi/predict_index", json={"index": "flat", "offset": 500, "k": 2}).json()
+    beyond = c.post("/fewshot/pi/predict_index", json={"index": index, "offset": 500, "k": 2}).json()
     assert beyond["items"] == [] and beyond["next_offset"] is None
 
 

@@ -1,0 +1,58 @@
+"""``msn-embed --index NAME --index-backend milvus``: the finished msn-embed shards as a Milvus index msn-serve serves.
+
+The copy is :func:`msn_serve.indexes.milvus_copy.copy_checked`'s (every id read back before it is marked ready), with
+the data directory's lock held, so msn-serve must be stopped, as for ``msn-index build``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msn_core.durable import lock_data_dir
+from msn_serve.indexes.build import load_corpus
+from msn_serve.indexes.config import IndexConfig
+from msn_serve.indexes.milvus import MilvusConnection, collection_name
+from msn_serve.indexes.milvus_copy import CopyError, copy_checked
+
+
+def shards_to_milvus(embeddings: Path, data_dir: Path, name: str, uri: str, *, index_type: str, store_paths: bool,
+                     overwrite: bool) -> dict[str, Any]:
+    """``msn-embed --index NAME --index-backend milvus``: the msn-embed shards as a Milvus index msn-serve serves
+    (``flat`` unless ``ivf``/``hnsw`` is asked for: Milvus builds its own index; paths stored absolute)."""
+    corpus = load_corpus(embeddings)
+    chunks = list(corpus.chunks())
+    ids = np.concatenate([c[0] for c in chunks]).astype(np.int64)
+    vecs = np.concatenate([np.asarray(c[1], np.float32) for c in chunks])
+    meta: dict[int, Any] = {}
+    if store_paths:
+        base = Path(corpus.manifest.get("base") or corpus.root)
+        for s in corpus.shards:
+            for line in (corpus.root / s["paths"]).read_text().splitlines():
+                row = json.loads(line)
+                meta[int(row["id"])] = {"path": str(base / row["path"]),
+                                        **({"label": row["label"]} if row.get("label") is not None else {})}
+    cfg = IndexConfig(dim=corpus.dim, type=index_type if index_type in ("ivf", "hnsw") else "flat",
+                      model_id=str(corpus.manifest.get("model_id") or ""))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = lock_data_dir(data_dir, owner="msn-serve")
+    except OSError as e:
+        raise CopyError(f"{e}: stop msn-serve first, then start it again to load the index") from None
+    conn = MilvusConnection(uri)
+    try:
+        if (data_dir / "indexes" / name).exists():
+            raise CopyError(f"index {name!r} exists on FAISS in {data_dir}; drop it first")
+        if name in conn.collections():
+            if not overwrite:
+                raise CopyError(f"index {name!r} exists in {conn.describe()}; pass --overwrite-index to replace it")
+            conn.client.drop_collection(collection_name(name))
+        idx = copy_checked(conn, name, cfg, str(corpus.manifest.get("feature") or ""), ids, vecs, meta)
+        idx.set_state("ready")
+    finally:
+        conn.close()
+        os.close(lock)
+    return {"name": name, "backend": "milvus", "ids": len(ids), "type": cfg.type, "model_id": cfg.model_id}

@@ -1,0 +1,393 @@
+"""Milvus as an index store: one collection per index, behind the same interface as FAISS (:mod:`.base`).
+
+``pymilvus`` (``pip install 'msn[milvus]'``) is imported when a Milvus index is first used. ``--milvus-uri`` is a
+Milvus Lite file (``PATH.db``: the engine runs inside msn-serve; default ``<data-dir>/milvus.db``) or a server URL
+(``http://host:19530``); the same client code talks to both.
+
+Collection ``msn_<name>`` (``_`` ``.`` ``-`` in the name written ``_u`` ``_d`` ``_h``): ``id`` INT64 primary key,
+``vector`` FLOAT_VECTOR, ``meta`` VARCHAR (the metadata's JSON text, nullable). Its properties bind it like a FAISS
+index's ``config.json``: ``msn.config`` (the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's
+feature) and ``msn.index`` (the name). Adds are upserts, so a retried add never duplicates an id.
+
+Consistency and durability: collections are created with the **Strong** consistency level, so a search sees every
+acknowledged write. An insert is acknowledged by Milvus once it is in its write-ahead log (Milvus Lite: its WAL file,
+written to the OS before the call returns, so ``kill -9`` of msn-serve, which is also the engine's process, loses
+nothing; a server: its message storage). No flush per write (Milvus discourages it: it seals a tiny segment each
+time); msn-serve flushes at shutdown and ``msn-index migrate`` after its copy. The id set and metadata sizes are
+held in memory (read at start-up) for the same add/replace counts and metadata limits as FAISS: one msn-serve writes
+a collection at a time, as one writes a data directory (Milvus Lite enforces it with a file lock).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from msn_core.optional import require
+from msn_serve.errors import ApiError, conflict, not_found, too_large, unprocessable
+from msn_serve.indexes.base import check_ids, prepare_vectors
+from msn_serve.indexes.config import IndexConfig
+from msn_serve.indexes.metadata import Metadata, to_texts
+
+log = logging.getLogger("msn_serve.indexes")
+PREFIX = "msn_"
+META_MAX = 65_535  # bytes of a VARCHAR field
+TOPK_MAX = 16_384  # Milvus' limit on k (and on queries per search)
+BATCH = 4096  # rows per get/iterator call
+_ESCAPES = {"_": "_u", ".": "_d", "-": "_h"}
+KINDS = {"flat": "FLAT", "ivf": "IVF_FLAT", "hnsw": "HNSW"}
+
+
+class MilvusUnavailable(ValueError):
+    """Milvus cannot be reached or opened; the message says why and what to do (msn-serve exits with it)."""
+
+
+def collection_name(name: str) -> str:
+    return PREFIX + "".join(_ESCAPES.get(ch, ch) for ch in name)
+
+
+def index_name(collection: str) -> str | None:
+    """The index name of one of our collections (None for anything else in the database)."""
+    if not collection.startswith(PREFIX):
+        return None
+    out, rest = [], iter(collection[len(PREFIX):])
+    back = {v[1]: k for k, v in _ESCAPES.items()}
+    for ch in rest:
+        out.append(back.get(next(rest, ""), "?") if ch == "_" else ch)
+    return "".join(out)
+
+
+def check_spec(spec: dict[str, Any]) -> None:
+    """What a Milvus index cannot be (422 naming it): FAISS' self-tuning ``auto`` kind."""
+    if spec.get("type") == "auto":
+        raise unprocessable("type 'auto' re-tunes a FAISS index as it grows; a Milvus index is 'flat', 'ivf' or "
+                            "'hnsw' (Milvus builds and maintains it), or create it with backend 'faiss'")
+
+
+@contextlib.contextmanager
+def milvus_errors(what: str) -> Iterator[None]:
+    """A failed Milvus call becomes a 503 naming it (the write did not happen or is safe to retry: adds are upserts)."""
+    from pymilvus.exceptions import MilvusException
+
+    try:
+        yield
+    except MilvusException as e:
+        log.error("%s: Milvus failed (%s)", what, e)
+        raise ApiError(503, f"{what}: Milvus failed ({getattr(e, 'message', e)}); retry later") from e
+
+
+class MilvusConnection:
+    """One ``MilvusClient`` for ``uri``. Milvus Lite opens its file in one process at a time: a second gets a clear
+    error instead of pymilvus' "Open local milvus failed"."""
+
+    def __init__(self, uri: str):
+        pymilvus = require("pymilvus", "a Milvus index (--milvus-uri, backend 'milvus')")
+        self.lite = not uri.startswith(("http://", "https://", "tcp://", "grpc://", "unix:"))
+        if self.lite:
+            require("milvus_lite", "Milvus Lite (--milvus-uri PATH.db)")
+            path = Path(uri).expanduser().absolute()
+            if path.suffix != ".db":
+                raise MilvusUnavailable(f"--milvus-uri {uri}: a Milvus Lite database is a path ending in .db "
+                                        "(or give a server URL, http://host:19530)")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            uri = str(path)
+        self.uri = uri
+        try:
+            self.client = pymilvus.MilvusClient(uri)
+        except pymilvus.exceptions.MilvusException as e:
+            raise MilvusUnavailable(self._why(e)) from None
+
+    def _why(self, e: Exception) -> str:
+        if self.lite and _locked(Path(self.uri) / "LOCK"):
+            return (f"Milvus Lite database {self.uri} is open in another process, and Milvus Lite allows one at a "
+                    "time: stop that process, give this server another --milvus-uri, or run a Milvus server and "
+                    "give its URL")
+        return f"cannot open Milvus at {self.uri}: {getattr(e, 'message', e)}"
+
+    def describe(self) -> str:
+        return f"Milvus Lite {self.uri}" if self.lite else "Milvus server"
+
+    def collections(self) -> dict[str, str]:
+        """``{index name: collection}`` of the indexes stored here."""
+        found = {}
+        for c in self.client.list_collections():
+            name = index_name(c)
+            if name is not None and collection_name(name) == c:
+                found[name] = c
+        return found
+
+    def close(self) -> None:
+        """Close the client; Milvus Lite's engine (in this process) is stopped too, releasing its file."""
+        with contextlib.suppress(Exception):
+            self.client.close()
+        if self.lite:
+            from milvus_lite import server_manager_instance
+
+            server_manager_instance.release_server(self.uri)
+
+
+def _locked(lock_file: Path) -> bool:
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+class MilvusIndex:
+    """One index in a Milvus collection (a :class:`~msn_serve.indexes.base.VectorIndex`)."""
+
+    backend = "milvus"
+    compact_bytes = 0  # the store sets both; Milvus compacts by itself
+    metadata_limit: int | None = None
+
+    def __init__(self, conn: MilvusConnection, name: str, cfg: IndexConfig, *, feature: str = "",
+                 collection: str | None = None):
+        self.conn, self.client, self.cfg, self.feature = conn, conn.client, cfg, feature
+        self._name, self.collection = name, collection or collection_name(name)
+        self.ids: set[int] = set()
+        self._meta_bytes: dict[int, int] = {}  # id -> bytes of its metadata (ids with some)
+        self.lock = threading.RLock()
+        self.meta_total = 0
+        self.seq, self.created, self.closed, self.state = 0, time.time(), False, "ready"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def ntotal(self) -> int:
+        return len(self.ids)
+
+    # ---- create, open, drop, close --------------------------------------------------------------------------
+    @classmethod
+    def create(cls, conn: MilvusConnection, name: str, cfg: IndexConfig, *, feature: str = "",
+               state: str = "ready", collection: str | None = None) -> MilvusIndex:
+        """A new collection (``collection``: another name than the index's, for a copy swapped in later)."""
+        from pymilvus import DataType
+
+        c, coll = conn.client, collection or collection_name(name)
+        if c.has_collection(coll):  # not one this server loaded: another writer's, or another server's
+            raise conflict(f"index {name!r} already exists in {conn.describe()} (collection {coll!r})")
+        schema = c.create_schema(auto_id=False, enable_dynamic_field=False,
+                                 description=f"msn-serve index {name!r} of model {cfg.model_id!r}")
+        schema.add_field("id", DataType.INT64, is_primary=True)
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=cfg.dim)
+        schema.add_field("meta", DataType.VARCHAR, max_length=META_MAX, nullable=True)
+        params = c.prepare_index_params()
+        extra = {"ivf": {"nlist": cfg.nlist}, "hnsw": {"M": cfg.m, "efConstruction": cfg.ef_construction}}
+        params.add_index(field_name="vector", index_type=KINDS[cfg.type], metric_type=cfg.metric.upper(),
+                         params=extra.get(cfg.type, {}))
+        with milvus_errors(f"create index {name!r}"):
+            c.create_collection(coll, schema=schema, consistency_level="Strong",
+                                properties=_properties(name, cfg, feature, state))
+            # not waited for: pymilvus' wait asks for a timestamp Milvus Lite does not serve (an error logged and
+            # half a second lost per create); loading the collection waits for the index anyway
+            c.create_index(coll, params, sync=False)
+            c.load_collection(coll)
+        return cls(conn, name, cfg, feature=feature, collection=coll)
+
+    @classmethod
+    def open(cls, conn: MilvusConnection, name: str) -> MilvusIndex:
+        """Load a collection and read its ids and metadata sizes; raises when it is not one of ours."""
+        c, coll = conn.client, collection_name(name)
+        props = c.describe_collection(coll).get("properties", {})
+        if "msn.config" not in props:
+            raise ValueError(f"collection {coll!r} has no msn.config property: not an msn-serve index")
+        cfg = IndexConfig(**json.loads(props["msn.config"]))
+        c.load_collection(coll)
+        idx = cls(conn, name, cfg, feature=props.get("msn.feature", ""))
+        idx.state = props.get("msn.state", "ready")
+        it = c.query_iterator(coll, batch_size=BATCH, filter="id >= 0", output_fields=["id", "meta"])
+        try:
+            while rows := it.next():
+                for r in rows:
+                    idx.ids.add(int(r["id"]))
+                    if r.get("meta") is not None:
+                        idx._meta_bytes[int(r["id"])] = size = len(r["meta"].encode())
+                        idx.meta_total += size
+        finally:
+            it.close()
+        return idx
+
+    def set_state(self, state: str) -> None:
+        """``msn.state``: ``migrating`` while ``msn-index migrate --to milvus`` copies into it, then ``ready``."""
+        with milvus_errors(f"mark index {self.name!r} {state}"):
+            self.client.alter_collection_properties(self.collection, properties={"msn.state": state})
+            self.client.load_collection(self.collection)  # altering releases it on Milvus Lite
+
+    def drop(self) -> None:
+        with self.lock, milvus_errors(f"delete index {self.name!r}"):
+            self.client.drop_collection(self.collection)
+            self.closed = True
+
+    def flush(self) -> None:
+        with self.lock, milvus_errors(f"flush index {self.name!r}"):
+            self.client.flush(self.collection)
+
+    def close(self) -> None:
+        """Seal what the WAL holds into segments (not needed for durability; a faster next start)."""
+        with self.lock:
+            if not self.closed:
+                try:
+                    self.flush()
+                except ApiError:
+                    log.warning("index %s: flush at shutdown failed; Milvus replays its WAL", self.name)
+                self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise not_found(f"index {self.name!r} was deleted")
+
+    # ---- writes ---------------------------------------------------------------------------------------------
+    def add(self, ids: Any, vecs: np.ndarray, metadata: list | None = None) -> dict[str, int]:
+        arr = check_ids(ids)
+        v = prepare_vectors(self.cfg, vecs)
+        if v.shape[0] != arr.size:
+            raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
+        try:
+            texts = to_texts(metadata, arr.size)
+        except ValueError as e:
+            raise unprocessable(str(e)) from None
+        sizes = [0 if t is None else len(t.encode()) for t in (texts or [None] * arr.size)]
+        if max(sizes) > META_MAX:
+            j = int(np.argmax(sizes))
+            raise too_large(f"metadata of id {int(arr[j])} is {sizes[j]} bytes; a Milvus index holds at most "
+                            f"{META_MAX} bytes per id (a VARCHAR field)")
+        id_list = arr.tolist()
+        with self.lock, milvus_errors(f"add to index {self.name!r}"):
+            self._check_open()
+            present = sum(1 for i in id_list if i in self.ids)
+            total = self.meta_total + sum(sizes) - sum(self._meta_bytes.get(i, 0) for i in id_list)
+            if self.metadata_limit is not None and total > self.metadata_limit:
+                raise too_large(f"index {self.name!r} would hold more than {self.metadata_limit} bytes of "
+                                "metadata (max_index_metadata_mb)")
+            rows = [{"id": i, "vector": row, "meta": None if texts is None else texts[j]}
+                    for j, (i, row) in enumerate(zip(id_list, v.tolist(), strict=True))]
+            self.client.upsert(self.collection, rows)
+            self.seq += 1
+            self.ids.update(id_list)
+            self.meta_total = total
+            for i, size in zip(id_list, sizes, strict=True):
+                if size:
+                    self._meta_bytes[i] = size
+                else:
+                    self._meta_bytes.pop(i, None)
+        return {"added": arr.size - present, "replaced": present}
+
+    def remove(self, ids: Any) -> dict[str, Any]:
+        arr = check_ids(ids)
+        with self.lock, milvus_errors(f"delete from index {self.name!r}"):
+            self._check_open()
+            present = [i for i in arr.tolist() if i in self.ids]
+            missing = sorted(set(arr.tolist()) - set(present))
+            if present:
+                self.client.delete(self.collection, ids=present)
+                self.seq += 1
+                self.ids.difference_update(present)
+                for i in present:
+                    self.meta_total -= self._meta_bytes.pop(i, 0)
+        return {"removed": len(present), "not_found": missing}
+
+    # ---- reads ----------------------------------------------------------------------------------------------
+    def query(self, vecs: np.ndarray, k: int, nprobe: int | None = None,
+              ef_search: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        q = prepare_vectors(self.cfg, vecs)
+        if len(q) > TOPK_MAX:
+            raise too_large(f"{len(q)} queries: Milvus answers at most {TOPK_MAX} per search")
+        with self.lock:
+            self._check_open()
+            k = min(int(k), self.ntotal)
+            scores, labels = np.zeros((len(q), k), np.float32), np.full((len(q), k), -1, np.int64)
+            if k == 0:
+                return scores, labels, {}
+            if k > TOPK_MAX:
+                raise unprocessable(f"k={k}: Milvus returns at most {TOPK_MAX} neighbours per query")
+            params = {"ivf": {"nprobe": min(nprobe or self.cfg.nprobe, self.cfg.nlist)},
+                      "hnsw": {"ef": max(ef_search or self.cfg.ef_search, k)}}.get(self.cfg.type, {})
+            with milvus_errors(f"search index {self.name!r}"):
+                res = self.client.search(self.collection, data=q.tolist(), limit=k, output_fields=["meta"],
+                                         search_params={"metric_type": self.cfg.metric.upper(), "params": params})
+        texts: dict[int, str] = {}
+        for r, hits in enumerate(res):
+            for j, h in enumerate(hits):
+                labels[r, j], scores[r, j] = int(h["id"]), float(h["distance"])
+                meta = (h.get("entity") or {}).get("meta")
+                if meta is not None:
+                    texts[int(h["id"])] = meta
+        return scores, labels, texts
+
+    def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
+        scores, labels, texts = self.query(vecs, k, nprobe, ef_search)
+        return [[{"id": i, "score": s, **({"metadata": json.loads(texts[i])} if i in texts else {})}
+                 for s, i in zip(srow, lrow, strict=True) if i >= 0]
+                for srow, lrow in zip(scores.tolist(), labels.tolist(), strict=True)]
+
+    def _rows(self, ids: list[int], field: str) -> Iterator[dict[str, Any]]:
+        for lo in range(0, len(ids), BATCH):
+            with milvus_errors(f"read index {self.name!r}"):
+                yield from self.client.get(self.collection, ids=ids[lo:lo + BATCH], output_fields=[field])
+
+    def stored_vectors(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every vector, as stored (FLAT, IVF_FLAT and HNSW all keep them raw), read by id."""
+        with self.lock:
+            self._check_open()
+            ids = sorted(self.ids)
+            got = {int(r["id"]): r["vector"] for r in self._rows(ids, "vector")}
+        if len(got) != len(ids):
+            raise ApiError(503, f"index {self.name!r}: Milvus gave back {len(got)} of {len(ids)} vectors")
+        vecs = np.asarray([got[i] for i in ids], dtype=np.float32).reshape(len(ids), self.cfg.dim)
+        return np.asarray(ids, dtype=np.int64), vecs
+
+    def metadata_texts(self, ids: list[int]) -> dict[int, str | None]:
+        out: dict[int, str | None] = dict.fromkeys(ids)
+        wanted = [i for i in ids if i in self._meta_bytes]
+        out.update({int(r["id"]): r.get("meta") for r in self._rows(wanted, "meta")})
+        return out
+
+    def export(self, dest: Path) -> None:
+        """The published form is FAISS' (read-only replicas serve an exact flat copy of the collection)."""
+        from msn_serve.indexes.config import build_index
+        from msn_serve.indexes.files import write_index_dir
+
+        with self.lock:
+            ids, vecs = self.stored_vectors()
+            cfg = IndexConfig(**{**asdict(self.cfg), "type": "flat"})
+            index = build_index(cfg)
+            if len(ids):
+                index.add_with_ids(np.ascontiguousarray(vecs), ids)
+            meta = self.metadata_texts(ids.tolist())
+            write_index_dir(dest, asdict(cfg), index, ids, Metadata({i: t for i, t in meta.items() if t}), self.seq)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {"name": self.name, "backend": self.backend, **asdict(self.cfg), "ntotal": self.ntotal,
+                    "device": "milvus", "auto_tuning": None, "trained": True,
+                    "with_metadata": len(self._meta_bytes), "metadata_bytes": self.meta_total,
+                    "wal_bytes": 0, "seq": self.seq,
+                    "milvus": {"collection": self.collection, "feature": self.feature, "consistency": "Strong",
+                               "lite": self.conn.lite},
+                    "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
+                    else "squared L2 distance (lower is closer)"}
+
+
+def _properties(name: str, cfg: IndexConfig, feature: str, state: str) -> dict[str, str]:
+    return {"msn.index": name, "msn.config": json.dumps(asdict(cfg)), "msn.feature": feature, "msn.state": state}
