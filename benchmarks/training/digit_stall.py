@@ -58,6 +58,8 @@ VARIANTS |= {
     "photometric_off": PHOTOMETRIC_OFF,
     "easy_views": EASY_VIEWS,
     "easy_views_sharp": {**EASY_VIEWS, "loss.sharpen_start": 0.1, "loss.sharpen_end": 0.1},
+    "larger_views": {"mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15},  # easy_views, photometric kept
+    "easy_views_lr_x2": {**EASY_VIEWS, "optim.lr": 5e-4},
 }
 
 

@@ -178,3 +178,39 @@ def test_detect_machine_reads_cpu_flags_and_simulated_gpus(monkeypatch):
     _, v = planned(IMAGENET, gpu, optim__epochs=800)
     assert v["data.batch_size"] == 128  # = configs/in1k_vit_s16_8gpu.yaml
     assert detect_machine("cpu").device_type == "cpu"  # run.device=cpu never asks the GPU
+
+
+def test_images_with_little_detail_get_views_that_keep_most_of_them():
+    official = {"mask.ratio": 0.3}
+    _, fashion = planned(FASHION, CPU, optim__budget_minutes=10)
+    assert {k: fashion[k] for k in official} == official and "mask.rand_crop_scale" not in fashion
+    assert "augment.blur_p" not in fashion  # Fashion-MNIST keeps the official views (and its filed figures)
+    resampled = DataSurvey("digits at 32 px", 1_201, 32, False, [0.3] * 3, [0.35] * 3, detail=8)
+    for survey in (DIGITS, resampled):
+        plan, v = planned(survey, CPU, optim__budget_minutes=10)
+        assert v["mask.rand_crop_scale"] == [0.6, 1.0] and v["mask.ratio"] == 0.15
+        assert v["augment.color_jitter_p"] == v["augment.grayscale_p"] == v["augment.blur_p"] == 0.0
+        assert plan.reasons["mask.ratio"].startswith("the images hold 8 px of detail")
+    _, sharp = planned(DataSurvey("glyphs", 2_880, 28, False, detail=19), CPU, optim__budget_minutes=10)
+    assert sharp["mask.ratio"] == 0.3 and "mask.rand_crop_scale" not in sharp
+    _, chosen = planned(resampled, CPU, optim__budget_minutes=10, mask__ratio=0.3)
+    assert chosen["mask.ratio"] == 0.3 and chosen["mask.rand_crop_scale"] == [0.6, 1.0]  # --set wins, per key
+
+
+def test_detail_is_read_off_the_images_not_their_size(tmp_path):
+    from sklearn.datasets import load_digits
+
+    from training.run.survey import detail_side
+
+    rng = np.random.default_rng(0)
+    small = [(a * 255 / 16).astype(np.uint8) for a in load_digits().images[:16]]  # 8 x 8 handwritten digits
+    upsampled = [np.asarray(Image.fromarray(a).resize((32, 32), Image.BICUBIC), dtype=np.float32) for a in small]
+    sharp = [rng.integers(0, 255, (32, 32)).astype(np.float32) for _ in range(16)]
+    assert detail_side(upsampled) == 8 and detail_side(sharp) == 32
+    assert detail_side([np.zeros((28, 28), np.float32)]) == 28  # a flat image keeps its side
+    folder = tmp_path / "digits"
+    folder.mkdir()
+    for i, a in enumerate(small):
+        Image.fromarray(a).resize((32, 32), Image.BICUBIC).save(folder / f"{i}.png")
+    survey = survey_data("auto", str(folder))
+    assert (survey.side, survey.detail_side) == (32, 8)

@@ -43,9 +43,10 @@ HEALTHY = [
 ]
 
 
-def _detector(total_steps=2850, lr=2.5e-4, batch=64, k=K, start_step=0):
+def _detector(total_steps=2850, lr=2.5e-4, batch=64, k=K, start_step=0, easy_views=False):
+    views = {"crop_min": 0.6, "mask_ratio": 0.15, "photometric": False} if easy_views else {}
     return StallDetector(StallSettings(num_prototypes=k, global_batch=batch, lr=lr, sharpen_start=0.25,
-                                       sharpen_end=0.25),
+                                       sharpen_end=0.25, **views),
                          total_steps=total_steps, start_step=start_step)
 
 
@@ -70,8 +71,12 @@ def test_the_recorded_healthy_start_is_not_warned():
     assert not _feed(_detector(), HEALTHY)
 
 
-def test_a_stall_at_the_rule_s_learning_rate_points_at_the_target_temperature():
+def test_a_stall_at_the_rule_s_learning_rate_points_at_the_views_then_the_target_temperature():
     found = _feed(_detector(), LR_100X_SMALLER)  # the same signals, but the learning rate is the rule's
+    assert found[0].cause == "views"
+    assert ("--set mask.rand_crop_scale=[0.6,1.0] mask.ratio=0.15 augment.color_jitter_p=0 augment.grayscale_p=0 "
+            "augment.blur_p=0") in found[0].message and "crops from 30% of the area" in found[0].message
+    found = _feed(_detector(easy_views=True), LR_100X_SMALLER)  # views that already keep most of the image
     assert found[0].cause == "targets" and "loss.sharpen_start=0.15 loss.sharpen_end=0.15" in found[0].message
 
 

@@ -19,7 +19,12 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
    estimates. The smallest is always allowed. Larger models: ``--set model.arch=vit_base``.
 3. **Views**: focal views (10, as the paper) at 96/224 of the image size when such a crop holds at least 4 x 4
    patches; crop scales are fractions of the area, so the paper's carry over to any size. Mask ratio: the
-   paper's per model (0.15 for ViT-S/16) or the small-image recipe's 0.3 for a 16-patch image.
+   paper's per model (0.15 for ViT-S/16) or the small-image recipe's 0.3 for a 16-patch image. Small images
+   holding at most 14 px of detail (``training/run/survey.py``: 8-px digits, also when resampled to 32 px) get
+   views that keep most of the image: crops of 60-100 % of the area, 15 % masked, no photometric jitter. With the
+   official views such a run stalled at log K and its encoder scored like an untrained one; with these it
+   learned (docs/results-notes.md, "Why the planned run stalls on the digit folders"). Fashion-MNIST and the
+   rendered glyphs hold 19-28 px and keep the official views.
 4. **Batch per device**: on a GPU the largest power of two whose activations fit in 80 % of its memory (Korthikanti
    et al.'s estimate, ``training/run/machine.py``), up to the paper's global 1,024 and at most an eighth of the
    images; on a CPU the small-image recipe's 64 per step.
@@ -39,14 +44,9 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import random
 import re
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
-from PIL import Image
 
 from training.config import Config, ConfigError, apply_overrides, build_dataclass
 from training.model.vit import ARCHS
@@ -58,7 +58,7 @@ from training.run.machine import (
     encoder_parameters,
     step_flops_per_image,
 )
-from training.sources import FILE_SOURCES, list_images
+from training.run.survey import DataSurvey, survey_data
 
 __all__ = ["DataSurvey", "Plan", "lr_for_batch", "parse_budget", "plan_config", "plan_run", "set_length",
            "survey_data"]
@@ -70,67 +70,12 @@ SMALL_GRID = 4  # patches per side of the small-image geometry (16 tokens)
 PATCH = 16  # the paper's patch size
 MAX_IMAGE_SIZE = 224  # the paper's view size; larger images are resized to it
 MIN_STEPS = 5_000  # a larger model must get at least this many optimiser steps
+# Images holding this little detail (training/run/survey.py) get views that keep most of them: crops of at least
+# LOW_DETAIL_CROP of the area, LOW_DETAIL_MASK of the patches masked, no colour jitter, grey or blur.
+LOW_DETAIL, LOW_DETAIL_CROP, LOW_DETAIL_MASK = MIN_IMAGE_SIZE // 2, 0.6, 0.15
 PARAMS_PER_IMAGE = 85e6 / 1.28e6  # ViT-B/16's trunk on ImageNet-1k's images
-SAMPLED_FILES, STATS_FILES = 256, 64
 # Model sizes the planner chooses from, smallest first: (arch, depth). Width and heads come from the arch.
 TIERS = (("vit_tiny", 4), ("vit_tiny", 12), ("vit_small", 12))
-
-
-@dataclass(frozen=True)
-class DataSurvey:
-    """What the planner knows of the data: how many images, their typical size, and (for files) their colours."""
-
-    description: str
-    num_images: int
-    side: int  # median shorter side, pixels
-    in_memory: bool
-    mean: list[float] | None = None  # per-channel statistics of a sample, in [0, 1]; None: the source's own
-    std: list[float] | None = None
-
-
-def survey_data(source: str, root: str | None, *, image_root: str | None = None, subset: str | None = None,
-                synthetic_size: int = 512, synthetic_side: int = 32) -> DataSurvey:
-    """Count the images and read the sizes of a seeded sample of them (headers only) and the colours of a few."""
-    if source == "fashion-mnist":
-        from training.data import FashionMNIST
-
-        images = FashionMNIST(root).images
-        return DataSurvey(f"Fashion-MNIST ({len(images):,} images)", len(images), int(images.shape[-1]), True)
-    if source == "synthetic":
-        return DataSurvey(f"synthetic ({synthetic_size} images)", synthetic_size, synthetic_side, True)
-    if source not in FILE_SOURCES or root is None:
-        raise ValueError(f"cannot plan for data.source={source!r} without data.root")
-    listing = list_images(source, root, split="train", image_root=image_root, subset=subset)
-    rng = random.Random(0)
-    sample = sorted(rng.sample(range(len(listing.files)), min(SAMPLED_FILES, len(listing.files))))
-    sides = []
-    for i in sample:
-        try:
-            with Image.open(listing.files[i]) as image:
-                sides.append(min(image.size))
-        except (OSError, ValueError):  # unreadable files are skipped in training too
-            continue
-    if not sides:
-        raise ValueError(f"none of the {len(sample)} sampled files under {listing.base} could be opened as an image")
-    mean, std = _colour_statistics([listing.files[i] for i in sample[:: max(1, len(sample) // STATS_FILES)]])
-    return DataSurvey(listing.describe(), len(listing.files), int(statistics.median(sides)), False, mean, std)
-
-
-def _colour_statistics(files: list[str]) -> tuple[list[float] | None, list[float] | None]:
-    """Per-channel mean and std over a few images, decoded small (as training decodes them: RGB, composited)."""
-    from training.data import load_image
-
-    pixels = []
-    for path in files:
-        try:
-            pixels.append(np.asarray(load_image(path, 32), dtype=np.float64).reshape(-1, 3) / 255.0)
-        except Exception:  # noqa: BLE001, S112 - an unreadable file is skipped, as the loader does
-            continue
-    if not pixels:
-        return None, None
-    stacked = np.concatenate(pixels)
-    return ([round(float(v), 4) for v in stacked.mean(0)],
-            [round(max(float(v), 1e-3), 4) for v in stacked.std(0)])
 
 
 _UNITS = {"s": 1 / 60, "m": 1.0, "min": 1.0, "h": 60.0}
@@ -336,8 +281,11 @@ class _Candidate:
            "no focal views: a focal crop would hold fewer than 4 x 4 patches")
         if s.num_focal:
             ch("mask.focal_size", s.focal_size, "96/224 of the image size, as the paper")
-        ch("mask.ratio", s.mask_ratio, "the small-image recipe (16 patches)" if self.small else
-           "the paper's ratio for this model")
+        if self.small and survey.detail_side <= LOW_DETAIL:
+            _low_detail_views(plan, survey)
+        else:
+            ch("mask.ratio", s.mask_ratio, "the small-image recipe (16 patches)" if self.small else
+               "the paper's ratio for this model")
         batch = ch("data.batch_size", self.batch, self.batch_reason)
         global_batch = batch * machine.device_count
         lr = ch("optim.lr", float(f"{lr_for_batch(global_batch):.3g}"),
@@ -365,6 +313,19 @@ class _Candidate:
         ch("run.precision", "auto", "fp32 or bf16, whichever this run's first steps run faster (bf16 units on this "
            "CPU; training/run/precision_timing.py)" if machine.device_type == "cpu" and machine.bf16 else
            f"{machine.precision} on this machine (training/run/precision.py)")
+
+
+def _low_detail_views(plan: Plan, survey: DataSurvey) -> None:
+    """Views that keep most of an image with little detail (module docstring, 3.): the official crops, masking and
+    photometric jitter leave two views of an 8-px digit too little in common, and the run stalls at log K."""
+    detail = (f"the images hold {survey.detail_side} px of detail" + (
+        f" at {survey.side} px" if survey.detail_side < survey.side else ""))
+    ch = plan.choose
+    ch("mask.rand_crop_scale", [LOW_DETAIL_CROP, 1.0],
+       f"{detail}: a crop keeps at least {LOW_DETAIL_CROP * 100:.0f} % of the image (0.3 cuts a stroke fragment)")
+    ch("mask.ratio", LOW_DETAIL_MASK, f"{detail}: 15 % of the 16 patches is masked, not 30 %")
+    for key in ("augment.color_jitter_p", "augment.grayscale_p", "augment.blur_p"):
+        ch(key, 0.0, f"{detail}: no photometric jitter to blur or wash out what there is")
 
 
 def _working_size(side: int, *, small: bool) -> int:

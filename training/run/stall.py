@@ -18,7 +18,9 @@ Both are medians over a trailing window of logged records (robust to noisy batch
 ``CHECK_FRACTION`` of the planned steps on (at least ``MIN_CHECK_STEPS``), and must hold on ``PATIENCE`` records
 spanning ``MIN_SPAN_STEPS``: a stall is reported once, within the first 10 % of any run of 1,100 planned steps or
 more. The cause named is the learning rate when it is far below the batch's rule (``training/run/plan.py``: a
-config can say nothing truer about a learning rate without labels), else the targets' temperature. The checks read
+config can say nothing truer about a learning rate without labels), else views that keep too little of an image
+(official crops, masking or photometric jitter: what stalled the digit folders, docs/results-notes.md), else the
+targets' temperature. The checks read
 floats the monitor has already logged: no device sync of their own. A resumed run is not checked (its start, which
 the targets are read against, was in an earlier launch). The runs the thresholds were chosen on, with their signals,
 are in docs/training.md ("Stalls").
@@ -33,10 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.config import Config
-from training.run.plan import PAPER_START_LR, lr_for_batch
+from training.run.plan import LOW_DETAIL_CROP, LOW_DETAIL_MASK, PAPER_START_LR, lr_for_batch
 
 __all__ = ["Stall", "StallDetector"]
 
+EASY_CROP_MIN, EASY_MASK = LOW_DETAIL_CROP, LOW_DETAIL_MASK  # views that keep most of an image (the plan's)
 MAX_LOSS_DROP = 0.03  # stalled while the loss is less than this fraction of log K below log K (or its start) ...
 MIN_SHARPENING = 0.02  # ... and the targets' entropy fell less than this fraction of log K below its start
 CHECK_FRACTION = 0.05  # checked from this fraction of the planned steps ...
@@ -54,7 +57,7 @@ class Stall:
     """A detected stall: the step it was confirmed at, the likely cause and a message naming the fix."""
 
     step: int
-    cause: str  # "learning_rate" | "targets"
+    cause: str  # "learning_rate" | "views" | "targets"
     message: str
 
     def record(self) -> dict[str, Any]:
@@ -64,19 +67,29 @@ class Stall:
 
 @dataclass(frozen=True)
 class StallSettings:
-    """What the rule and the advice refer to: the run's prototypes, global batch, peak learning rate and target
-    temperatures."""
+    """What the rule and the advice refer to: the run's prototypes, global batch, peak learning rate, target
+    temperatures and how much of an image its views keep (the crop's smallest share of the area, the share of
+    patches masked, whether any photometric jitter is on)."""
 
     num_prototypes: int
     global_batch: int
     lr: float
     sharpen_start: float
     sharpen_end: float
+    crop_min: float = 0.3
+    mask_ratio: float = 0.3
+    photometric: bool = True
 
     @classmethod
     def from_config(cls, cfg: Config, global_batch: int) -> StallSettings:
-        loss = cfg.loss
-        return cls(cfg.model.num_prototypes, global_batch, cfg.optim.lr, loss.sharpen_start, loss.sharpen_end)
+        loss, aug = cfg.loss, cfg.augment
+        photometric = max(aug.color_jitter_p, aug.grayscale_p, aug.blur_p, aug.solarize_p) > 0
+        return cls(cfg.model.num_prototypes, global_batch, cfg.optim.lr, loss.sharpen_start, loss.sharpen_end,
+                   cfg.mask.rand_crop_scale[0], cfg.mask.ratio, photometric)
+
+    def hard_views(self) -> bool:
+        """Views that keep less of an image than the ones that got the stalled digit folders learning."""
+        return self.crop_min < EASY_CROP_MIN or self.mask_ratio > EASY_MASK or self.photometric
 
 
 class StallDetector:
@@ -117,7 +130,8 @@ class StallDetector:
         if len(self.streak) < PATIENCE or self.streak[-1] - self.streak[0] < MIN_SPAN_STEPS:
             return None
         self.reported = True
-        cause = "learning_rate" if self.lr_far_below_rule() else "targets"
+        cause = ("learning_rate" if self.lr_far_below_rule() else "views" if self.settings.hard_views()
+                 else "targets")
         return Stall(step, cause, self.message(cause, step, s))
 
     def signals(self) -> dict[str, float]:
@@ -151,6 +165,13 @@ class StallDetector:
                    + (f"; the predictions have hardly moved (entropy {s['start_entropy']:.3f} -> "
                       f"{s['entropy']:.3f} nats)" if still else ""))
             fix = f"--set optim.lr={rule:g} optim.start_lr={min(PAPER_START_LR, rule):g}"
+        elif cause == "views":
+            why = (f"two views of an image share too little for one to predict the other's prototypes (crops from "
+                   f"{g.crop_min:.0%} of the area, {g.mask_ratio:.0%} of the patches masked"
+                   + (", photometric jitter" if g.photometric else "") + "); on small images with little detail "
+                   "such runs stalled, and views keeping more of the image learned")
+            fix = (f"--set mask.rand_crop_scale=[{EASY_CROP_MIN},1.0] mask.ratio={EASY_MASK} augment.color_jitter_p=0 "
+                   "augment.grayscale_p=0 augment.blur_p=0")
         else:
             sharper = float(f"{0.6 * min(g.sharpen_start, g.sharpen_end):.2g}")
             why = (f"the targets do not sharpen at temperature {g.sharpen_end:g} over {g.num_prototypes} "

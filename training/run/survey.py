@@ -1,0 +1,141 @@
+"""What the planner reads off the data before planning: how many images, their size, colours and detail.
+
+Nothing here is random or timed: every process of a ``torchrun`` job surveys the same seeded sample and plans the
+same run (``training/run/plan.py``).
+
+**Detail** is the side the images' content needs, which can be far below their pixel size: scikit-learn's 8 x 8
+digits resampled to 32 px are 32-px files holding 8 px of detail. It is measured as the smallest side a sampled
+image can be shrunk to (by a whole or half factor, bicubic) and grown back from while keeping all but
+``DETAIL_TOLERANCE`` of its variance, and the median over a few sampled images is kept. Measured on 64 images
+each (summed over them): the 32-px digits keep 97.8 % of it through 8 px (detail 8 px); Fashion-MNIST loses 7 %
+and the rendered glyphs 5.8 % at the first step down (28 -> 19 px), so both keep their 28 px.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from training.sources import FILE_SOURCES, list_images
+
+__all__ = ["DataSurvey", "detail_side", "survey_data"]
+
+SAMPLED_FILES, STATS_FILES = 256, 64
+DETAIL_FACTORS = (1.5, 2, 3, 4, 6, 8)  # the steps down tried, in order
+DETAIL_TOLERANCE = 0.03  # share of the images' variance a round trip may lose and still count as holding the detail
+DETAIL_MAX_SIDE = 128  # larger images are taken at their size: the rule it feeds only concerns small images
+
+
+@dataclass(frozen=True)
+class DataSurvey:
+    """What the planner knows of the data: how many images, their typical size, and (for files) their colours and
+    the side their detail needs."""
+
+    description: str
+    num_images: int
+    side: int  # median shorter side, pixels
+    in_memory: bool
+    mean: list[float] | None = None  # per-channel statistics of a sample, in [0, 1]; None: the source's own
+    std: list[float] | None = None
+    detail: int | None = None  # the side the content needs (``detail_side``); None: not measured, ``side``
+
+    @property
+    def detail_side(self) -> int:
+        return self.detail or self.side
+
+
+def survey_data(source: str, root: str | None, *, image_root: str | None = None, subset: str | None = None,
+                synthetic_size: int = 512, synthetic_side: int = 32) -> DataSurvey:
+    """Count the images and read the sizes of a seeded sample of them (headers only) and the colours and detail of
+    a few."""
+    if source == "fashion-mnist":
+        from training.data import FashionMNIST
+
+        images = FashionMNIST(root).images
+        return DataSurvey(f"Fashion-MNIST ({len(images):,} images)", len(images), int(images.shape[-1]), True)
+    if source == "synthetic":
+        return DataSurvey(f"synthetic ({synthetic_size} images)", synthetic_size, synthetic_side, True)
+    if source not in FILE_SOURCES or root is None:
+        raise ValueError(f"cannot plan for data.source={source!r} without data.root")
+    listing = list_images(source, root, split="train", image_root=image_root, subset=subset)
+    rng = random.Random(0)
+    sample = sorted(rng.sample(range(len(listing.files)), min(SAMPLED_FILES, len(listing.files))))
+    sides = []
+    for i in sample:
+        try:
+            with Image.open(listing.files[i]) as image:
+                sides.append(min(image.size))
+        except (OSError, ValueError):  # unreadable files are skipped in training too
+            continue
+    if not sides:
+        raise ValueError(f"none of the {len(sample)} sampled files under {listing.base} could be opened as an image")
+    few = [listing.files[i] for i in sample[:: max(1, len(sample) // STATS_FILES)]]
+    mean, std = _colour_statistics(few)
+    side = int(statistics.median(sides))
+    return DataSurvey(listing.describe(), len(listing.files), side, False, mean, std, _detail(few, side))
+
+
+def _colour_statistics(files: list[str]) -> tuple[list[float] | None, list[float] | None]:
+    """Per-channel mean and std over a few images, decoded small (as training decodes them: RGB, composited)."""
+    from training.data import load_image
+
+    pixels = []
+    for path in files:
+        try:
+            pixels.append(np.asarray(load_image(path, 32), dtype=np.float64).reshape(-1, 3) / 255.0)
+        except Exception:  # noqa: BLE001, S112 - an unreadable file is skipped, as the loader does
+            continue
+    if not pixels:
+        return None, None
+    stacked = np.concatenate(pixels)
+    return ([round(float(v), 4) for v in stacked.mean(0)],
+            [round(max(float(v), 1e-3), 4) for v in stacked.std(0)])
+
+
+def _detail(files: list[str], side: int) -> int | None:
+    """``detail_side`` of a few files at the folder's median side, or None when the images are too large to
+    matter or none could be read."""
+    from training.data import load_image
+
+    if side > DETAIL_MAX_SIDE:
+        return None
+    grey = []
+    for path in files:
+        try:  # decoded as training decodes (resized and centre-cropped to the side), in grey
+            grey.append(np.asarray(load_image(path, side).convert("L"), dtype=np.float32))
+        except Exception:  # noqa: BLE001, S112 - an unreadable file is skipped, as the loader does
+            continue
+    return detail_side(grey) if grey else None
+
+
+def detail_side(images: list[np.ndarray]) -> int:
+    """The median over ``images`` (grey 2-D arrays of one size) of the smallest side (theirs divided by one of
+    ``DETAIL_FACTORS``) that a bicubic shrink and regrow keeps all but ``DETAIL_TOLERANCE`` of an image's variance
+    through; an image none does, or a flat one, keeps its side. Per image, so a folder that mixes sizes is read by
+    its typical image rather than by a blend of them."""
+    return int(statistics.median(_image_detail(image) for image in images))
+
+
+def _image_detail(image: np.ndarray) -> int:
+    side = image.shape[0]
+    variance = float(((image - image.mean()) ** 2).sum())
+    best = side
+    for factor in DETAIL_FACTORS:
+        small = max(2, round(side / factor))
+        if small >= best or variance <= 0:
+            continue
+        if _round_trip_error(image, small) > DETAIL_TOLERANCE * variance:
+            break  # coarser steps lose more
+        best = small
+    return best
+
+
+def _round_trip_error(image: np.ndarray, small: int) -> float:
+    h, w = image.shape
+    pil = Image.fromarray(image.astype(np.float32), mode="F")
+    back = np.asarray(pil.resize((small, small), Image.BICUBIC).resize((w, h), Image.BICUBIC), dtype=np.float64)
+    return float(((image - back) ** 2).sum())
