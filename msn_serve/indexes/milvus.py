@@ -175,7 +175,25 @@ class MilvusIndex:
 
     @property
     def ntotal(self) -> int:
-        return len(self.ids)
+        """Items stored. Milvus Lite has one process, this one, so its own count is exact; a Milvus server may be
+        written by other msn-serve processes, so there the engine counts (Strong consistency: every acknowledged
+        write of any of them)."""
+        if self.conn.lite:
+            return len(self.ids)
+        with milvus_errors(f"count index {self.name!r}"):
+            rows = self.client.query(self.collection, filter="", output_fields=["count(*)"],
+                                     consistency_level="Strong")
+        return int(rows[0]["count(*)"])
+
+    def _present(self, ids: list[int]) -> set[int]:
+        """Which of ``ids`` are stored: this process' record on Milvus Lite, the engine's on a shared server."""
+        if self.conn.lite:
+            return {i for i in ids if i in self.ids}
+        found: set[int] = set()
+        for lo in range(0, len(ids), BATCH):
+            rows = self.client.get(self.collection, ids=ids[lo:lo + BATCH], output_fields=["id"])
+            found.update(int(r["id"]) for r in rows)
+        return found
 
     # ---- create, open, drop, close --------------------------------------------------------------------------
     @classmethod
@@ -207,7 +225,9 @@ class MilvusIndex:
 
     @classmethod
     def open(cls, conn: MilvusConnection, name: str) -> MilvusIndex:
-        """Load a collection and read its ids and metadata sizes; raises when it is not one of ours."""
+        """Load a collection and (Milvus Lite: this process is its only writer) read its ids and metadata sizes;
+        raises when it is not one of ours. On a server the engine is asked instead, so opening reads nothing per
+        item however large the collection."""
         c, coll = conn.client, collection_name(name)
         props = c.describe_collection(coll).get("properties", {})
         if "msn.config" not in props:
@@ -216,6 +236,8 @@ class MilvusIndex:
         c.load_collection(coll)
         idx = cls(conn, name, cfg, feature=props.get("msn.feature", ""))
         idx.state = props.get("msn.state", "ready")
+        if not conn.lite:
+            return idx
         it = c.query_iterator(coll, batch_size=BATCH, filter="id >= 0", output_fields=["id", "meta"])
         try:
             while rows := it.next():
@@ -275,9 +297,9 @@ class MilvusIndex:
         id_list = arr.tolist()
         with self.lock, milvus_errors(f"add to index {self.name!r}"):
             self._check_open()
-            present = sum(1 for i in id_list if i in self.ids)
+            present = len(self._present(id_list))
             total = self.meta_total + sum(sizes) - sum(self._meta_bytes.get(i, 0) for i in id_list)
-            if self.metadata_limit is not None and total > self.metadata_limit:
+            if self.metadata_limit is not None and self.conn.lite and total > self.metadata_limit:
                 raise too_large(f"index {self.name!r} would hold more than {self.metadata_limit} bytes of "
                                 "metadata (max_index_metadata_mb)")
             rows = [{"id": i, "vector": row, "meta": None if texts is None else texts[j]}
@@ -297,7 +319,8 @@ class MilvusIndex:
         arr = check_ids(ids)
         with self.lock, milvus_errors(f"delete from index {self.name!r}"):
             self._check_open()
-            present = [i for i in arr.tolist() if i in self.ids]
+            stored = self._present(arr.tolist())
+            present = [i for i in arr.tolist() if i in stored]
             missing = sorted(set(arr.tolist()) - set(present))
             if present:
                 self.client.delete(self.collection, ids=present)
@@ -315,10 +338,9 @@ class MilvusIndex:
             raise too_large(f"{len(q)} queries: Milvus answers at most {TOPK_MAX} per search")
         with self.lock:
             self._check_open()
-            k = min(int(k), self.ntotal)
-            scores, labels = np.zeros((len(q), k), np.float32), np.full((len(q), k), -1, np.int64)
-            if k == 0:
-                return scores, labels, {}
+            k = int(k)  # not capped by this process' count: on a server, other processes may have added since
+            if k <= 0:
+                return np.zeros((len(q), 0), np.float32), np.zeros((len(q), 0), np.int64), {}
             if k > TOPK_MAX:
                 raise unprocessable(f"k={k}: Milvus returns at most {TOPK_MAX} neighbours per query")
             params = {"ivf": {"nprobe": min(nprobe or self.cfg.nprobe, self.cfg.nlist)},
@@ -326,6 +348,8 @@ class MilvusIndex:
             with milvus_errors(f"search index {self.name!r}"):
                 res = self.client.search(self.collection, data=q.tolist(), limit=k, output_fields=["meta"],
                                          search_params={"metric_type": self.cfg.metric.upper(), "params": params})
+        width = max((len(hits) for hits in res), default=0)  # k' = min(k, stored), as FAISS answers
+        scores, labels = np.zeros((len(q), width), np.float32), np.full((len(q), width), -1, np.int64)
         texts: dict[int, str] = {}
         for r, hits in enumerate(res):
             for j, h in enumerate(hits):
@@ -381,7 +405,9 @@ class MilvusIndex:
         with self.lock:
             return {"name": self.name, "backend": self.backend, **asdict(self.cfg), "ntotal": self.ntotal,
                     "device": "milvus", "auto_tuning": None, "trained": True,
-                    "with_metadata": len(self._meta_bytes), "metadata_bytes": self.meta_total,
+                    # one process' record: exact on Milvus Lite; a server's writers each see only their own
+                    "with_metadata": len(self._meta_bytes) if self.conn.lite else None,
+                    "metadata_bytes": self.meta_total if self.conn.lite else None,
                     "wal_bytes": 0, "seq": self.seq,
                     "milvus": {"collection": self.collection, "feature": self.feature, "consistency": "Strong",
                                "lite": self.conn.lite},

@@ -58,7 +58,7 @@ class IndexStore:
         self.served: Collection[str] = (model_id,)
         self.compact_bytes = int(compact_mb * 2**20)
         self.metadata_limit = None if metadata_mb is None else int(metadata_mb * 2**20)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _discover may run inside create or drop
         self.indexes: dict[str, VectorIndex] = {}
 
     def load_all(self) -> list[str]:
@@ -107,13 +107,34 @@ class IndexStore:
         return problems
 
     def find(self, name: str) -> VectorIndex | None:
-        return self.indexes.get(name)
+        return self.indexes.get(name) or self._discover(name)
 
     def get(self, name: str) -> VectorIndex:
-        idx = self.indexes.get(name)
+        idx = self.find(name)
         if idx is None:
             raise not_found(f"no index named {name!r}")
         return idx
+
+    def _shared_milvus(self) -> MilvusConnection | None:
+        """The Milvus server this store shares with other msn-serve processes (None: none, or Milvus Lite, whose
+        file only this process opens)."""
+        return self._milvus if self._milvus is not None and not self._milvus.lite else None
+
+    def _discover(self, name: str) -> VectorIndex | None:
+        """An index another msn-serve created on the shared Milvus server since this one started (None if none)."""
+        conn = self._shared_milvus()
+        if conn is None or self.read_only:
+            return None
+        from msn_serve.indexes.milvus import MilvusIndex, collection_name, milvus_errors
+
+        with self._lock:
+            if name in self.indexes:
+                return self.indexes[name]
+            with milvus_errors(f"look up index {name!r}"):
+                if not conn.client.has_collection(collection_name(name)):
+                    return None
+                idx = self.indexes[name] = self._configure(MilvusIndex.open(conn, name))
+            return idx
 
     def bound(self, name: str) -> VectorIndex:
         """The index named ``name`` for a search, a write or the label loop: 404 when there is none, 409
@@ -128,6 +149,9 @@ class IndexStore:
                 if not model_matches(idx.cfg.model_id, self.served)}
 
     def describe(self) -> list[dict[str, Any]]:
+        if (conn := self._shared_milvus()) is not None and not self.read_only:
+            for name in sorted(set(conn.collections()) - set(self.indexes)):  # made by another msn-serve
+                self._discover(name)
         return [{**idx.stats(), "model_matches": model_matches(idx.cfg.model_id, self.served)}
                 for idx in list(self.indexes.values())]
 
