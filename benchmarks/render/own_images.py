@@ -52,6 +52,15 @@ def section(results: Path) -> str:
     return "\n".join(lines)
 
 
+def _views(config: dict) -> str:
+    """The planned views, for the plan column: crops, masking, and whether photometric jitter is on."""
+    mask, augment = config.get("mask"), config.get("augment")
+    if not mask or not augment:
+        return ""
+    jitter = "" if augment.get("blur_p") or augment.get("color_jitter_p") else ", no photometric jitter"
+    return f", crops {mask['rand_crop_scale'][0]:g}-1, {mask['ratio']:.0%} masked{jitter}"
+
+
 def _folders_table(r: dict) -> list[str]:
     """One budget's table of a folders report (``other_folders``, ``glyph_folders``): per folder the plan, its
     steps, the collapse detector's verdict and the scores of the bundle and of raw pixels."""
@@ -61,7 +70,7 @@ def _folders_table(r: dict) -> list[str]:
     for name, f in r["folders"].items():
         config, run = f["config"], f["run"]
         plan = (f"{config['model']['arch']}, {config['model']['image_size']} px, "
-                f"{config['model']['patches_per_side']}² patches")
+                f"{config['model']['patches_per_side']}² patches{_views(config)}")
         collapse = f"at step {run['collapse']['step']:,}" if run.get("collapse") else "none"
         for which, label in (("flat", f"{name} MSN"), ("pixels", f"{name} raw pixels")):
             row = _row(label, f["evals"], which)

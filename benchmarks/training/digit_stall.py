@@ -60,6 +60,10 @@ VARIANTS |= {
     "easy_views_sharp": {**EASY_VIEWS, "loss.sharpen_start": 0.1, "loss.sharpen_end": 0.1},
     "larger_views": {"mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15},  # easy_views, photometric kept
     "easy_views_lr_x2": {**EASY_VIEWS, "optim.lr": 5e-4},
+    "easy_views_noflip": {**EASY_VIEWS, "augment.flip_p": 0.0},
+    # the views of the plan before it read the images' detail (the 32-px digits now plan EASY_VIEWS)
+    "official_views": {"mask.rand_crop_scale": [0.3, 1.0], "mask.ratio": 0.3, "augment.color_jitter_p": 0.8,
+                       "augment.grayscale_p": 0.2, "augment.blur_p": 0.5},
 }
 
 
