@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{engine:6} {kind:4}: ingest {r['ingest_vectors_per_s']:.0f} vec/s, build {r['build_s']} s, "
               f"recall {r['recall']} at {r['sweep'][-1]}, {r['batched_qps']:.0f} q/s batched, "
               f"{r['single_qps']:.0f} q/s single, RSS {r['memory_after_ingest_mib']}", flush=True)
+        _save(a, started, rows)  # after every run: an interrupted sweep keeps what it measured
+    return 0
+
+
+def _save(a: argparse.Namespace, started: str, rows: list[dict[str, Any]]) -> None:
     import pymilvus
 
     save_json(a.out, {"note": a.note, "started": started, "n": a.n, "dim": a.dim, "k": K, "target_recall": TARGET,
@@ -220,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
                               "points + 0.1/dim noise", "through": "msn_serve ManagedIndex / MilvusIndex",
                       "wal_compact_mb": a.wal_compact_mb, "pymilvus": pymilvus.__version__,
                       "milvus_lite": _milvus_lite_version(), "runs": rows})
-    return 0
 
 
 def _milvus_lite_version() -> str | None:
