@@ -42,6 +42,7 @@ PREFIX = "msn_"
 META_MAX = 65_535  # bytes of a VARCHAR field
 TOPK_MAX = 16_384  # Milvus' limit on k (and on queries per search)
 BATCH = 4096  # rows per get/iterator call
+UPSERT_BYTES = 32 * 2**20  # per upsert message: half Milvus' 64 MB insert cap, room for the encoding
 _ESCAPES = {"_": "_u", ".": "_d", "-": "_h"}
 KINDS = {"flat": "FLAT", "ivf": "IVF_FLAT", "hnsw": "HNSW"}
 
@@ -304,7 +305,8 @@ class MilvusIndex:
                                 "metadata (max_index_metadata_mb)")
             rows = [{"id": i, "vector": row, "meta": None if texts is None else texts[j]}
                     for j, (i, row) in enumerate(zip(id_list, v.tolist(), strict=True))]
-            self.client.upsert(self.collection, rows)
+            for chunk in _chunks(rows, sizes, self.cfg.dim):  # one gRPC message each, under Milvus' 64 MB insert cap
+                self.client.upsert(self.collection, chunk)
             self.seq += 1
             self.ids.update(id_list)
             self.meta_total = total
@@ -413,6 +415,21 @@ class MilvusIndex:
                                "lite": self.conn.lite},
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
                     else "squared L2 distance (lower is closer)"}
+
+
+def _chunks(rows: list[dict[str, Any]], meta_sizes: list[int], dim: int) -> Iterator[list[dict[str, Any]]]:
+    """``rows`` in runs of at most ``UPSERT_BYTES`` (vectors and metadata): a 256,000 x 384 add in one upsert is a
+    400 MB message, which Milvus refuses (its gRPC cap is 256 MB, its insert cap 64 MB). An add split this way is
+    not atomic; a retry after a failure is safe (upserts)."""
+    start, size = 0, 0
+    for j, meta in enumerate(meta_sizes):
+        row = 8 + 4 * dim + meta
+        if j > start and size + row > UPSERT_BYTES:
+            yield rows[start:j]
+            start, size = j, 0
+        size += row
+    if start < len(rows):
+        yield rows[start:]
 
 
 def _properties(name: str, cfg: IndexConfig, feature: str, state: str) -> dict[str, str]:

@@ -230,3 +230,22 @@ def test_migrate_to_milvus_moves_every_id_and_msn_embed_writes_milvus(bundle_dir
             assert hit["metadata"]["path"].endswith("im2.png") and hit["score"] == pytest.approx(1.0, abs=1e-4)
     finally:
         srv.stop()
+
+
+def test_a_large_milvus_add_is_split_under_the_message_cap(tmp_path, monkeypatch):
+    """An add larger than one upsert message (Milvus refuses a 400 MB one) is sent in runs and fully stored."""
+    from msn_serve.indexes import milvus
+    from msn_serve.indexes.config import config_from_spec
+
+    monkeypatch.setattr(milvus, "UPSERT_BYTES", 4096)  # ~15 vectors of 64 floats per message
+    conn = milvus.MilvusConnection(str(tmp_path / "m.db"))
+    try:
+        idx = milvus.MilvusIndex.create(conn, "big", config_from_spec({"type": "flat"}, default_dim=64,
+                                                                        model_id="m"))
+        vecs = _vectors(200, seed=5)
+        assert idx.add(list(range(200)), vecs) == {"added": 200, "replaced": 0}
+        assert idx.ntotal == 200
+        _, ids, _ = idx.query(vecs[[0, 199]], 1)
+        assert ids[:, 0].tolist() == [0, 199]
+    finally:
+        conn.close()
