@@ -6,9 +6,10 @@ same run (``training/run/plan.py``).
 **Detail** is the side the images' content needs, which can be far below their pixel size: scikit-learn's 8 x 8
 digits resampled to 32 px are 32-px files holding 8 px of detail. It is measured as the smallest side a sampled
 image can be shrunk to (by a whole or half factor, bicubic) and grown back from while keeping all but
-``DETAIL_TOLERANCE`` of its variance, and the median over a few sampled images is kept. Measured on 64 images
-each (summed over them): the 32-px digits keep 97.8 % of it through 8 px (detail 8 px); Fashion-MNIST loses 7 %
-and the rendered glyphs 5.8 % at the first step down (28 -> 19 px), so both keep their 28 px.
+``DETAIL_TOLERANCE`` of its variance, and the median over a few sampled images is kept (per image, so a folder
+mixing sizes reads as its typical image). Measured: the 32-px digits 8 px (they keep 97.8 % of their variance
+through 8 px), Fashion-MNIST 28 px (it loses 7 % at the first step down, 28 -> 19 px), the rendered glyphs, a third
+of them 16-px glyphs resized to 28 px, 19 or 28 px depending on the files sampled.
 """
 
 from __future__ import annotations
