@@ -79,17 +79,19 @@ class StallSettings:
     crop_min: float = 0.3
     mask_ratio: float = 0.3
     photometric: bool = True
+    small_images: bool = True  # below the paper's geometry (64 px): where the views were measured to stall a run
 
     @classmethod
     def from_config(cls, cfg: Config, global_batch: int) -> StallSettings:
         loss, aug = cfg.loss, cfg.augment
         photometric = max(aug.color_jitter_p, aug.grayscale_p, aug.blur_p, aug.solarize_p) > 0
         return cls(cfg.model.num_prototypes, global_batch, cfg.optim.lr, loss.sharpen_start, loss.sharpen_end,
-                   cfg.mask.rand_crop_scale[0], cfg.mask.ratio, photometric)
+                   cfg.mask.rand_crop_scale[0], cfg.mask.ratio, photometric, cfg.model.image_size < 64)
 
     def hard_views(self) -> bool:
-        """Views that keep less of an image than the ones that got the stalled digit folders learning."""
-        return self.crop_min < EASY_CROP_MIN or self.mask_ratio > EASY_MASK or self.photometric
+        """Small images whose views keep less of them than the ones that got the stalled digit folders learning."""
+        return self.small_images and (self.crop_min < EASY_CROP_MIN or self.mask_ratio > EASY_MASK
+                                      or self.photometric)
 
 
 class StallDetector:
