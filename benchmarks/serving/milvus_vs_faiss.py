@@ -45,12 +45,10 @@ OUT = RESULTS / "milvus_vs_faiss.json"
 
 
 def corpus(n: int, dim: int, queries: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Normalised Gaussian-mixture vectors and perturbed-corpus queries (as ``faiss_bench.clustered``)."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((max(16, n // 1000), dim)).astype(np.float32)
-    data = centres[rng.integers(0, len(centres), n)]
-    data += 0.5 * rng.standard_normal((n, dim), dtype=np.float32)
-    q = data[rng.integers(0, n, queries)] + 0.1 * rng.standard_normal((queries, dim), dtype=np.float32)
+    """``faiss_bench.clustered``'s Gaussian-mixture vectors and perturbed-corpus queries, L2-normalised."""
+    from benchmarks.serving.faiss_bench import clustered
+
+    data, q = clustered(n, dim, queries, seed)
     data /= np.linalg.norm(data, axis=1, keepdims=True)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     return data, q

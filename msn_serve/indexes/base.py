@@ -17,8 +17,9 @@ import numpy as np
 
 from msn_serve.errors import unprocessable
 from msn_serve.indexes.config import IndexConfig
+from msn_serve.indexes.metadata import to_texts
 
-__all__ = ["BACKENDS", "MAX_ID", "Backend", "VectorIndex", "check_ids", "prepare_vectors"]
+__all__ = ["BACKENDS", "MAX_ID", "Backend", "VectorIndex", "check_add", "check_ids", "prepare_vectors"]
 
 Backend = Literal["faiss", "milvus"]
 BACKENDS: tuple[str, ...] = ("faiss", "milvus")
@@ -110,3 +111,17 @@ def prepare_vectors(cfg: IndexConfig, vecs: np.ndarray) -> np.ndarray:
         raise unprocessable(f"vector components must be within ±{bound:.3g} in an index without normalisation "
                             f"(distances must stay finite in float32)")
     return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def check_add(cfg: IndexConfig, ids: Any, vecs: np.ndarray,
+              metadata: list | None) -> tuple[np.ndarray, np.ndarray, list[str | None] | None]:
+    """An add's ``(ids, vectors, metadata JSON texts)``, checked as every engine checks them (422 otherwise)."""
+    arr = check_ids(ids)
+    v = prepare_vectors(cfg, vecs)
+    if v.shape[0] != arr.size:
+        raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
+    try:
+        texts = to_texts(metadata, arr.size)
+    except ValueError as e:
+        raise unprocessable(str(e)) from None
+    return arr, v, texts

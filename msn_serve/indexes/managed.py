@@ -33,7 +33,7 @@ from msn_core.durable import atomic_write, quarantine, remove_durably, replace_d
 from msn_serve.errors import conflict, not_found, persisting, read_only_replica, too_large, unprocessable
 from msn_serve.indexes import auto as index_auto
 from msn_serve.indexes import gpu as index_gpu
-from msn_serve.indexes.base import check_ids, prepare_vectors
+from msn_serve.indexes.base import check_add, check_ids, prepare_vectors
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
 from msn_serve.indexes.files import (
     INDEX_FILE,
@@ -44,7 +44,7 @@ from msn_serve.indexes.files import (
     read_index_dir,
     write_index_dir,
 )
-from msn_serve.indexes.metadata import Metadata, Texts, to_texts
+from msn_serve.indexes.metadata import Metadata, Texts
 from msn_serve.indexes.wal import WriteAheadLog
 
 log = logging.getLogger("msn_serve.indexes")
@@ -225,14 +225,7 @@ class ManagedIndex:
 
     def add(self, ids: Any, vecs: np.ndarray, metadata: list | None = None) -> dict[str, int]:
         """Add (or replace) vectors under ``ids``; durable (WAL fsync'd or snapshot written) before it returns."""
-        arr = check_ids(ids)
-        v = self._prepare(vecs)
-        if v.shape[0] != arr.size:
-            raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
-        try:
-            texts = to_texts(metadata, arr.size)
-        except ValueError as e:
-            raise unprocessable(str(e)) from None
+        arr, v, texts = check_add(self.cfg, ids, vecs, metadata)
         with self.lock, persisting(f"add to index {self.path.name!r}"):
             self._check_writable()
             self._check_open()

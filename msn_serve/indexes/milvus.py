@@ -33,9 +33,9 @@ import numpy as np
 
 from msn_core.optional import require
 from msn_serve.errors import ApiError, conflict, not_found, too_large, unprocessable
-from msn_serve.indexes.base import check_ids, prepare_vectors
+from msn_serve.indexes.base import check_add, check_ids, prepare_vectors
 from msn_serve.indexes.config import IndexConfig
-from msn_serve.indexes.metadata import Metadata, to_texts
+from msn_serve.indexes.metadata import Metadata
 
 log = logging.getLogger("msn_serve.indexes")
 PREFIX = "msn_"
@@ -282,14 +282,7 @@ class MilvusIndex:
 
     # ---- writes ---------------------------------------------------------------------------------------------
     def add(self, ids: Any, vecs: np.ndarray, metadata: list | None = None) -> dict[str, int]:
-        arr = check_ids(ids)
-        v = prepare_vectors(self.cfg, vecs)
-        if v.shape[0] != arr.size:
-            raise unprocessable(f"{arr.size} ids but {v.shape[0]} vectors/images")
-        try:
-            texts = to_texts(metadata, arr.size)
-        except ValueError as e:
-            raise unprocessable(str(e)) from None
+        arr, v, texts = check_add(self.cfg, ids, vecs, metadata)
         sizes = [0 if t is None else len(t.encode()) for t in (texts or [None] * arr.size)]
         if max(sizes) > META_MAX:
             j = int(np.argmax(sizes))

@@ -234,6 +234,9 @@ def test_browser_click_patches_and_sample(app_url: str, sample_png: Path) -> Non
             grid = page.locator("#patch-grid img")
             for n, (row, col) in enumerate(clicks):
                 # the picture is letterboxed inside the <img> box (object-fit: contain)
+                page.wait_for_function(  # the grid image is replaced after each click: wait until it has loaded
+                    "() => { const i = document.querySelector('#patch-grid img'); return i && i.naturalWidth > 0; }",
+                    timeout=30_000)
                 box = grid.bounding_box()
                 natural = grid.evaluate("img => [img.naturalWidth, img.naturalHeight]")
                 scale = min(box["width"] / natural[0], box["height"] / natural[1])
