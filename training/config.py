@@ -89,6 +89,12 @@ class AugmentConfig:
     blur_sigma: list[float] = field(default_factory=lambda: [0.1, 2.0])  # pixels of the view
     flip_p: float = 0.5
     solarize_p: float = 0.0  # not in the official MSN; BYOL applies it to one view
+    levels_p: float = 0.0  # not in the official MSN: each view's darkest and lightest grey redrawn (see views.py)
+    # not in the official MSN: shape jitter per view, for folders whose classes vary in pose and stroke (glyphs)
+    affine_p: float = 0.0
+    affine_degrees: float = 15.0  # rotation in [-d, d]
+    affine_shear: float = 15.0  # horizontal shear in [-s, s] degrees
+    stroke_p: float = 0.0  # strokes thickened or thinned (a partial 3 x 3 grey dilation or erosion), half each
 
 
 @dataclass
@@ -293,7 +299,8 @@ def validate(cfg: Config) -> None:
         if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1] <= 1:
             raise ConfigError(f"mask.{name}={lo_hi} must be [low, high] with 0 < low <= high <= 1")
     aug = cfg.augment
-    for name in ("color_jitter_p", "grayscale_p", "blur_p", "flip_p", "solarize_p"):
+    for name in ("color_jitter_p", "grayscale_p", "blur_p", "flip_p", "solarize_p", "levels_p",
+                 "affine_p", "stroke_p"):
         if not 0.0 <= getattr(aug, name) <= 1.0:
             raise ConfigError(f"augment.{name}={getattr(aug, name)} must be a probability in [0, 1]")
     if len(aug.blur_sigma) != 2 or not 0 < aug.blur_sigma[0] <= aug.blur_sigma[1]:

@@ -34,11 +34,14 @@ def blur_kernel_size(view_size: int) -> int:
 
 def _view_pipeline(size: int, crop_scale: Sequence[float], *, color_jitter_strength: float, color_jitter_p: float,
                    grayscale_p: float, blur_p: float, blur_sigma: Sequence[float], flip_p: float, solarize_p: float,
-                   mean: Sequence[float], std: Sequence[float]) -> K.AugmentationSequential:
+                   affine: tuple[float, float, float], mean: Sequence[float], std: Sequence[float]) -> K.AugmentationSequential:
     s = color_jitter_strength
     steps: list[nn.Module] = [
         K.RandomResizedCrop((size, size), scale=tuple(crop_scale), ratio=(3 / 4, 4 / 3), cropping_mode="resample")
     ]
+    affine_p, degrees, shear = affine
+    if affine_p > 0:  # edges extended, so a light or dark background stays one level
+        steps.append(K.RandomAffine(degrees, shear=(-shear, shear), padding_mode="border", p=affine_p))
     if flip_p > 0:
         steps.append(K.RandomHorizontalFlip(p=flip_p))
     if color_jitter_p > 0 and s > 0:
@@ -65,7 +68,8 @@ class MultiViewAugment(nn.Module):
                  rand_crop_scale: Sequence[float] = (0.3, 1.0), focal_crop_scale: Sequence[float] = (0.05, 0.3),
                  color_jitter_strength: float = 0.5, color_jitter_p: float = 0.8, grayscale_p: float = 0.2,
                  blur_p: float = 0.5, blur_sigma: Sequence[float] = (0.1, 2.0), flip_p: float = 0.5,
-                 solarize_p: float = 0.0, mean: Sequence[float], std: Sequence[float]) -> None:
+                 solarize_p: float = 0.0, levels_p: float = 0.0, affine: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                 stroke_p: float = 0.0, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         if num_focal < 0:
             raise ValueError(f"num_focal must be >= 0, got {num_focal}")
@@ -73,7 +77,9 @@ class MultiViewAugment(nn.Module):
             raise ValueError("mean and std need one value per RGB channel")
         pipeline = partial(_view_pipeline, color_jitter_strength=color_jitter_strength,
                            color_jitter_p=color_jitter_p, grayscale_p=grayscale_p, blur_p=blur_p,
-                           blur_sigma=blur_sigma, flip_p=flip_p, solarize_p=solarize_p, mean=mean, std=std)
+                           blur_sigma=blur_sigma, flip_p=flip_p, solarize_p=solarize_p,
+                           affine=affine, mean=mean, std=std)
+        self.stroke_p, self.levels_p = stroke_p, levels_p
         self.num_focal = num_focal
         self.focal_size = focal_size
         self.rand_views = pipeline(rand_size, rand_crop_scale)
@@ -89,12 +95,52 @@ class MultiViewAugment(nn.Module):
             raise ValueError(f"expected uint8 (B, 3, H, W) images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
         batch = images_uint8.shape[0]
         images = images_uint8.float().div_(255.0)
-        target, anchor = self.rand_views(images.repeat(2, 1, 1, 1)).split(batch)
+        target, anchor = self.rand_views(self._shape_and_levels(images.repeat(2, 1, 1, 1))).split(batch)
         if self.num_focal > 0:
-            focal = self.focal_views(images.repeat(self.num_focal, 1, 1, 1))
+            focal = self.focal_views(self._shape_and_levels(images.repeat(self.num_focal, 1, 1, 1)))
         else:
             focal = images.new_empty(0, 3, self.focal_size, self.focal_size)
         return target, anchor, focal
+
+    def _shape_and_levels(self, images: Tensor) -> Tensor:
+        return random_levels(random_stroke(images, self.stroke_p), self.levels_p)
+
+
+def random_stroke(images: Tensor, p: float) -> Tensor:
+    """Each image's strokes thickened (probability p/2) or thinned (p/2) by a random share of a 3 x 3 grey dilation
+    or erosion: stroke width, which varies within a class of glyphs, stops being shared by two views."""
+    if p <= 0:
+        return images
+    batch = images.shape[0]
+    draw = torch.rand(batch, 1, 1, 1, device=images.device)
+    amount = torch.rand(batch, 1, 1, 1, device=images.device)
+    thick = F.max_pool2d(images, 3, stride=1, padding=1)
+    thin = -F.max_pool2d(-images, 3, stride=1, padding=1)
+    target = torch.where(draw < p / 2, thick, torch.where(draw < p, thin, images))
+    return images + amount * (target - images)
+
+
+LEVELS_BLACK, LEVELS_WHITE = (0.0, 0.25), (0.6, 1.0)  # where a view's darkest and lightest grey are redrawn
+
+
+def random_levels(images: Tensor, p: float) -> Tensor:
+    """With probability p, each image's darkest grey moved to a random level in ``LEVELS_BLACK`` and its lightest to
+    one in ``LEVELS_WHITE`` (a linear map): a folder whose images differ in background and ink level (scans,
+    renderings, exposures) then gives two views of one image unrelated levels, which colour jitter does not (its
+    brightness multiplies, so a black background stays black and a grey one grey)."""
+    if p <= 0:
+        return images
+    batch = images.shape[0]
+    flat = images.reshape(batch, -1)
+    low, high = flat.amin(1).view(-1, 1, 1, 1), flat.amax(1).view(-1, 1, 1, 1)
+
+    def draw(lo_hi: tuple[float, float]) -> Tensor:
+        return torch.empty(batch, 1, 1, 1, device=images.device).uniform_(*lo_hi)
+
+    black, white = draw(LEVELS_BLACK), draw(LEVELS_WHITE)
+    relevelled = black + (white - black) * (images - low) / (high - low).clamp(min=1e-3)
+    apply = torch.rand(batch, 1, 1, 1, device=images.device) < p
+    return torch.where(apply & (high > low), relevelled, images)
 
 
 def eval_transform(images_uint8: Tensor, *, resize: int, crop: int, mean: Sequence[float],

@@ -61,6 +61,16 @@ VARIANTS |= {
     "larger_views": {"mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15},  # easy_views, photometric kept
     "easy_views_lr_x2": {**EASY_VIEWS, "optim.lr": 5e-4},
     "easy_views_noflip": {**EASY_VIEWS, "augment.flip_p": 0.0},
+    # glyphs: views whose grey levels say nothing about the image's own (its background and ink levels vary)
+    "strong_jitter": {"augment.color_jitter_p": 1.0, "augment.color_jitter_strength": 1.0},
+    "levels": {"augment.levels_p": 1.0},
+    "levels_shape_larger": {"augment.levels_p": 1.0, "augment.affine_p": 0.8, "augment.stroke_p": 0.8,
+                            "mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15},
+    "levels_shape_easy": {**EASY_VIEWS, "augment.levels_p": 1.0, "augment.affine_p": 0.8, "augment.stroke_p": 0.8},
+    # glyphs: views that vary what varies within a class (pose and stroke width), not only crops
+    "shape_jitter": {"augment.affine_p": 0.8, "augment.stroke_p": 0.8},
+    "shape_jitter_larger": {"augment.affine_p": 0.8, "augment.stroke_p": 0.8, "mask.rand_crop_scale": [0.6, 1.0],
+                            "mask.ratio": 0.15},
     # the views of the plan before it read the images' detail (the 32-px digits now plan EASY_VIEWS)
     "official_views": {"mask.rand_crop_scale": [0.3, 1.0], "mask.ratio": 0.3, "augment.color_jitter_p": 0.8,
                        "augment.grayscale_p": 0.2, "augment.blur_p": 0.5},

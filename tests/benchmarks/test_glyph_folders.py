@@ -146,3 +146,28 @@ def test_the_glyph_section_renders_after_the_other_folders(tmp_path: Path) -> No
     assert "2 fonts (DejaVuSans, LiberationMono-Regular)" in text and "16/28/32 px" in text and "Test CPU" in text
     page = render(tmp_path / "docs")
     assert page.index("## Other small images") < page.index("## Rendered glyphs") < page.index("| glyphs-flat MSN")
+
+
+def test_the_factor_table_names_how_each_image_was_drawn(data: Path) -> None:
+    """benchmarks/training/glyph_factors.py: each row re-renders its own file, byte for byte."""
+    from benchmarks.training.glyph_factors import FACTORS, factor_classes, factor_table
+
+    record = json.loads((data / "images.json").read_text())
+    fonts = gf.available_fonts()
+    for split in ("train", "val"):
+        files, rows = factor_table(data, split)
+        assert len(files) == record["train" if split == "train" else "test"] == len(rows)
+        for path, row in list(zip(files, rows))[::7]:
+            assert path.parent.name == record["classes"][int(row[0])]
+            factors = dict(zip(FACTORS, row))
+            jitter = gf.Jitter(factors["height"], factors["rotation"], factors["shear"], factors["stroke"],
+                               (factors["shift_x"], factors["shift_y"]), int(factors["background"]),
+                               int(factors["foreground"]))
+            image = gf.render_glyph(record["classes"][int(row[0])], fonts[int(factors["font"])],
+                                    record["sizes"][int(factors["size"])], jitter)
+            assert np.array_equal(image, _png(path))
+    train_y, test_y = factor_classes(factor_table(data, "train")[1], factor_table(data, "val")[1])
+    background = FACTORS.index("background")
+    assert train_y.shape[1] == test_y.shape[1] == len(FACTORS)
+    assert set(np.unique(train_y[:, background])) == {0, 1, 2, 3} >= set(np.unique(test_y[:, background]))
+    assert set(np.unique(train_y[:, 0])) == set(range(10))

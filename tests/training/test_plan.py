@@ -197,6 +197,33 @@ def test_images_with_little_detail_get_views_that_keep_most_of_them():
     assert chosen["mask.ratio"] == 0.3 and chosen["mask.rand_crop_scale"] == [0.6, 1.0]  # --set wins, per key
 
 
+def test_backgrounds_of_differing_grey_get_views_whose_levels_are_redrawn():
+    glyphs = DataSurvey("glyphs", 2_880, 28, False, detail=19, background_spread=11.1)
+    plan, v = planned(glyphs, CPU, optim__budget_minutes=10)
+    assert v["augment.levels_p"] == 1.0 and "std 11.1 of 255" in plan.reasons["augment.levels_p"]
+    for survey in (FASHION, DataSurvey("black backgrounds", 2_880, 28, False, background_spread=0.0),
+                   DataSurvey("photographs", 2_880, 28, False, background_spread=None)):
+        assert "augment.levels_p" not in planned(survey, CPU, optim__budget_minutes=10)[1]
+    assert planned(glyphs, CPU, optim__budget_minutes=10, augment__levels_p=0.0)[1]["augment.levels_p"] == 0.0
+
+
+def test_background_spread_reads_plain_borders_only():
+    from training.run.survey import background_spread
+
+    rng = np.random.default_rng(0)
+
+    def glyph(level: float) -> np.ndarray:
+        image = np.full((28, 28), level, np.float32)
+        image[8:20, 12:16] = 220.0
+        return image
+
+    assert background_spread([glyph(0.0) for _ in range(8)]) == 0.0
+    assert background_spread([glyph(v) for v in (0, 10, 20, 30, 40)]) == pytest.approx(14.1, abs=0.1)
+    photos = [rng.uniform(0, 255, (28, 28)).astype(np.float32) for _ in range(8)]
+    assert background_spread(photos) is None and background_spread([]) is None
+    assert background_spread(photos[:5] + [glyph(v) for v in (0, 40, 0, 40, 0, 40)]) == pytest.approx(20.0, abs=0.1)
+
+
 def test_detail_is_read_off_the_images_not_their_size(tmp_path):
     from sklearn.datasets import load_digits
 

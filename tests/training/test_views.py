@@ -8,7 +8,15 @@ import torch
 from PIL import Image
 
 from training.data import IMAGENET_MEAN, IMAGENET_STD, SyntheticDataset
-from training.views import MultiViewAugment, blur_kernel_size, eval_transform
+from training.views import (
+    LEVELS_BLACK,
+    LEVELS_WHITE,
+    MultiViewAugment,
+    blur_kernel_size,
+    eval_transform,
+    random_levels,
+    random_stroke,
+)
 
 MEAN, STD = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
 
@@ -81,6 +89,55 @@ def test_views_are_independent_per_sample_and_per_view() -> None:
     assert all(not torch.equal(target[0], target[i]) for i in range(1, 6))
     assert all(not torch.allclose(target[i], anchor[i]) for i in range(6))
     assert not torch.equal(focal[:6], focal[6:12])
+
+
+def _glyphs(background: float, ink: float, n: int = 64) -> torch.Tensor:
+    """n copies of a plus sign of grey ``ink`` on ``background``, floats in [0, 1]."""
+    images = torch.full((n, 3, 16, 16), background)
+    images[:, :, 7:9, 3:13] = ink
+    images[:, :, 3:13, 7:9] = ink
+    return images
+
+
+def test_levels_redraw_the_darkest_and_lightest_grey_whatever_they_were() -> None:
+    torch.manual_seed(0)
+    dark, grey = random_levels(_glyphs(0.0, 1.0), 1.0), random_levels(_glyphs(0.15, 0.7), 1.0)
+    for out in (dark, grey):
+        low, high = out.amin(dim=(1, 2, 3)), out.amax(dim=(1, 2, 3))
+        assert ((low >= LEVELS_BLACK[0]) & (low <= LEVELS_BLACK[1])).all()
+        assert ((high >= LEVELS_WHITE[0]) & (high <= LEVELS_WHITE[1])).all()
+        assert low.std() > 0.05  # drawn per image
+    # the source's levels no longer tell two folders' images apart: both background distributions are the same
+    assert abs(dark.amin(dim=(1, 2, 3)).mean() - grey.amin(dim=(1, 2, 3)).mean()) < 0.04
+    shape = _glyphs(0.0, 1.0)[0, 0] > 0.5
+    assert torch.equal(dark[0, 0] > dark[0, 0].mean(), shape)  # a linear map: the glyph is untouched
+    flat = torch.full((2, 3, 8, 8), 0.3)
+    assert torch.equal(random_levels(flat, 1.0), flat) and torch.equal(random_levels(_glyphs(0.1, 0.9), 0.0),
+                                                                        _glyphs(0.1, 0.9))
+
+
+def test_stroke_jitter_thickens_or_thins_and_keeps_the_glyph_centred() -> None:
+    torch.manual_seed(0)
+    images = _glyphs(0.0, 1.0, 200)
+    ink = random_stroke(images, 1.0).sum(dim=(1, 2, 3))
+    base = images[0].sum()
+    assert (ink > base * 1.05).sum() > 40 and (ink < base * 0.95).sum() > 40  # about half each way
+    assert torch.equal(random_stroke(images, 0.0), images)
+    out = random_stroke(images, 1.0)
+    assert out.min() >= 0 and out.max() <= 1
+    grid = torch.arange(16.0)
+    weight = out[:, 0].sum(dim=(1, 2))
+    centre_y = (out[:, 0].sum(2) * grid).sum(1) / weight
+    centre_x = (out[:, 0].sum(1) * grid).sum(1) / weight
+    assert torch.allclose(centre_y, torch.full((200,), 7.5)) and torch.allclose(centre_x, torch.full((200,), 7.5))
+
+
+def test_shape_and_level_knobs_run_in_the_views() -> None:
+    images = _synthetic_batch(4)
+    torch.manual_seed(0)
+    target, anchor, focal = _augment(levels_p=1.0, affine=(1.0, 15.0, 15.0), stroke_p=1.0)(images)
+    assert target.shape == (4, 3, 24, 24) and focal.shape == (12, 3, 12, 12)
+    assert torch.isfinite(target).all() and not torch.allclose(target, anchor)
 
 
 def test_blur_kernel_is_odd_and_scales_with_the_view() -> None:

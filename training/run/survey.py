@@ -10,6 +10,13 @@ image can be shrunk to (by a whole or half factor, bicubic) and grown back from 
 mixing sizes reads as its typical image). Measured: the 32-px digits 8 px (they keep 97.8 % of their variance
 through 8 px), Fashion-MNIST 28 px (it loses 7 % at the first step down, 28 -> 19 px), the rendered glyphs, a third
 of them 16-px glyphs resized to 28 px, 19 or 28 px depending on the files sampled.
+
+**Background levels**: the grey of each sampled image's border (its outer ``BORDER_PX`` ring), kept when the ring
+is flat (a plain background, not a photograph's edge), and their spread over the folder: the standard deviation
+of those levels in grey levels (0-255). Fashion-MNIST: 0 (always black; scikit-learn's digits: not read, their ink reaches the border); the rendered
+glyphs ~12 (backgrounds drawn from 0-40). A folder whose plain backgrounds differ from image to image hands the
+encoder a feature that two views of one image share and that says nothing of what the image shows; on the glyphs
+the trained CLS token sorted images by it (docs/results-notes.md).
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ from PIL import Image
 
 from training.sources import FILE_SOURCES, list_images
 
-__all__ = ["DataSurvey", "detail_side", "survey_data"]
+__all__ = ["DataSurvey", "background_spread", "detail_side", "survey_data"]
 
 SAMPLED_FILES, STATS_FILES = 256, 64
 DETAIL_FACTORS = (1.5, 2, 3, 4, 6, 8)  # the steps down tried, in order
 DETAIL_TOLERANCE = 0.03  # share of the images' variance a round trip may lose and still count as holding the detail
 DETAIL_MAX_SIDE = 128  # larger images are taken at their size: the rule it feeds only concerns small images
+BORDER_PX = 2  # the ring read as an image's background
+FLAT_BORDER = 6.0  # grey levels: a ring whose interquartile range is at most this is a plain background
+MIN_FLAT_SHARE = 0.5  # the levels' spread is only read when at least this share of the sampled images has one
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class DataSurvey:
     mean: list[float] | None = None  # per-channel statistics of a sample, in [0, 1]; None: the source's own
     std: list[float] | None = None
     detail: int | None = None  # the side the content needs (``detail_side``); None: not measured, ``side``
+    background_spread: float | None = None  # std of plain backgrounds' grey levels (0-255); None: not measured
 
     @property
     def detail_side(self) -> int:
@@ -77,7 +88,9 @@ def survey_data(source: str, root: str | None, *, image_root: str | None = None,
     few = [listing.files[i] for i in sample[:: max(1, len(sample) // STATS_FILES)]]
     mean, std = _colour_statistics(few)
     side = int(statistics.median(sides))
-    return DataSurvey(listing.describe(), len(listing.files), side, False, mean, std, _detail(few, side))
+    grey = _grey_images(few, side)
+    return DataSurvey(listing.describe(), len(listing.files), side, False, mean, std,
+                      detail_side(grey) if grey and side <= DETAIL_MAX_SIDE else None, background_spread(grey))
 
 
 def _colour_statistics(files: list[str]) -> tuple[list[float] | None, list[float] | None]:
@@ -97,20 +110,34 @@ def _colour_statistics(files: list[str]) -> tuple[list[float] | None, list[float
             [round(max(float(v), 1e-3), 4) for v in stacked.std(0)])
 
 
-def _detail(files: list[str], side: int) -> int | None:
-    """``detail_side`` of a few files at the folder's median side, or None when the images are too large to
-    matter or none could be read."""
+def _grey_images(files: list[str], side: int) -> list[np.ndarray]:
+    """A few files decoded as training decodes them (resized and centre-cropped to the side, at most
+    ``DETAIL_MAX_SIDE``), in grey; unreadable ones skipped, as the loader does."""
     from training.data import load_image
 
-    if side > DETAIL_MAX_SIDE:
-        return None
     grey = []
     for path in files:
-        try:  # decoded as training decodes (resized and centre-cropped to the side), in grey
-            grey.append(np.asarray(load_image(path, side).convert("L"), dtype=np.float32))
+        try:
+            grey.append(np.asarray(load_image(path, min(side, DETAIL_MAX_SIDE)).convert("L"), dtype=np.float32))
         except Exception:  # noqa: BLE001, S112 - an unreadable file is skipped, as the loader does
             continue
-    return detail_side(grey) if grey else None
+    return grey
+
+
+def background_spread(images: list[np.ndarray]) -> float | None:
+    """The standard deviation, in grey levels, of the border grey of the ``images`` whose border is flat; None
+    when fewer than ``MIN_FLAT_SHARE`` of them have one (photographs: their edges are content)."""
+    levels = []
+    for image in images:
+        ring = np.concatenate([image[:BORDER_PX].ravel(), image[-BORDER_PX:].ravel(),
+                               image[BORDER_PX:-BORDER_PX, :BORDER_PX].ravel(),
+                               image[BORDER_PX:-BORDER_PX, -BORDER_PX:].ravel()])
+        low, high = np.percentile(ring, [25, 75])
+        if high - low <= FLAT_BORDER:
+            levels.append(float(np.median(ring)))
+    if not images or len(levels) < MIN_FLAT_SHARE * len(images):
+        return None
+    return round(float(np.std(levels)), 1)
 
 
 def detail_side(images: list[np.ndarray]) -> int:
