@@ -133,13 +133,14 @@ def main(argv: list[str] | None = None) -> None:
         state.length = schedule
         length = schedule.length
         # 5. loop: optimiser steps with logs and periodic checkpoints
+        stall_settings = StallSettings.from_config(cfg, run.global_batch,
+                                                   args.plan.survey.detail_side if args.plan else None)
         monitor = TrainingMonitor(args.output_dir, enabled=info.rank == 0, total_steps=length.stop_at,
                                   start_step=progress.step, progress_bar=cfg.run.progress_bar,
                                   tensorboard=cfg.run.tensorboard, probe=probe,
                                   detector=CollapseDetector(RunGeometry.from_config(cfg)),
                                   stop_on_collapse=cfg.run.stop_on_collapse,
-                                  stall_detector=StallDetector(StallSettings.from_config(cfg, run.global_batch),
-                                                               total_steps=length.total_steps,
+                                  stall_detector=StallDetector(stall_settings, total_steps=length.total_steps,
                                                                start_step=progress.step))
         monitor.write(describe(run, length))
         last = train_loop(run, schedule, progress, monitor, checkpoints)

@@ -53,18 +53,22 @@ def section(results: Path) -> str:
 
 
 def _views(config: dict) -> str:
-    """The planned views, for the plan column: crops, masking, and whether photometric jitter is on."""
+    """The planned views, for the plan column: crops, masking, whether photometric jitter is on, and the views
+    off the official recipe (levels redrawn, pose and stroke jitter)."""
     mask, augment = config.get("mask"), config.get("augment")
     if not mask or not augment:
         return ""
     jitter = "" if augment.get("blur_p") or augment.get("color_jitter_p") else ", no photometric jitter"
-    return f", crops {mask['rand_crop_scale'][0]:g}-1, {mask['ratio']:.0%} masked{jitter}"
+    extra = "".join(text for key, text in (("levels_p", ", levels redrawn"), ("affine_p", ", rotation and shear"),
+                                           ("stroke_p", ", stroke jitter")) if augment.get(key))
+    return f", crops {mask['rand_crop_scale'][0]:g}-1, {mask['ratio']:.0%} masked{jitter}{extra}"
 
 
 def _folders_table(r: dict) -> list[str]:
     """One budget's table of a folders report (``other_folders``, ``glyph_folders``): per folder the plan, its
     steps, the collapse detector's verdict and the scores of the bundle and of raw pixels."""
-    lines = [f"### Budget {r['budget']}", "", machine_line(r["machine"]), "",
+    sets = f", with `--set {' '.join(r['sets'])}`" if r.get("sets") else ""
+    lines = [f"### Budget {r['budget']}{sets}", "", machine_line(r["machine"]), "",
              "| folder | plan | steps | collapse | " + " | ".join(lbl for _, lbl in SETTINGS) + " | kNN-20 |",
              "|---|---|---|---|---|---|---|---|"]
     for name, f in r["folders"].items():
@@ -92,8 +96,9 @@ def other_folders_section(results: Path) -> str:
               "images, the only other labelled image set on this machine), written at 8 px and resampled to 32 px; "
               "2/3 of them (stratified, seed 0) as one unlabelled flat folder, pretrained with `--data DIR --budget "
               "B` and nothing else; the other third is the test set. Low-shot: 3 seeded per-class samples of the "
-              "training part; kNN-20 against the whole training part. Nothing in the plan was tuned on these "
-              "images. The plan upsamples both to 32 px, and raw pixels are scored under the bundle's "
+              "training part; kNN-20 against the whole training part. One rule of the plan was found on these "
+              "images (views that keep most of an image holding little detail, [results-notes](results-notes.md)); "
+              "nothing else in it was tuned on them. The plan upsamples both to 32 px, and raw pixels are scored under the bundle's "
               "preprocessing, so the two folders share one pixel baseline."), ""]
     for path in reports:
         lines += _folders_table(json.loads(path.read_text()))
@@ -104,6 +109,7 @@ def glyph_folders_section(results: Path) -> str:
     """``benchmarks/results/glyph_folders-*.json`` (``python -m benchmarks.training.glyph_folders``); nothing
     until a run is filed."""
     reports = [json.loads(p.read_text()) for p in sorted(results.glob("glyph_folders-*.json"))]
+    reports.sort(key=lambda r: bool(r.get("sets")))  # the plan first, then runs with --set
     if not reports:
         return ""
     images = next(iter(reports[0]["folders"].values()))["images"]
@@ -116,7 +122,9 @@ def glyph_folders_section(results: Path) -> str:
               f"folders deep), pretrained with `--data DIR --budget B` and nothing else, and {images['test']:,} "
               "test images, both balanced over classes, sizes and fonts. Low-shot: 3 seeded per-class samples of "
               "the training part; kNN-20 against the whole training part; raw pixels under the bundle's "
-              "preprocessing. Nothing in the plan was tuned on these images."), ""]
+              "preprocessing. One rule of the plan was found on these images (redrawn levels for plain "
+              "backgrounds of differing grey, [results-notes](results-notes.md)); nothing else in it was tuned on "
+              "them."), ""]
     for r in reports:
         lines += _folders_table(r)
     return "\n".join(lines)

@@ -19,7 +19,7 @@ From each run's ``metrics.jsonl``: the loss, target entropy and mean max target 
 logged records. Steps whose outputs exist are skipped. Nothing here is timed.
 
 Before each pretraining run the script waits while ``/tmp/msn_machine_busy`` exists (a shared machine's flag).
-The table goes to stdout and ``runs/digit_stall/<data>-<steps>.json``.
+The table goes to stdout and ``runs/digit_stall/<data>-<steps>.json`` (rows of earlier invocations kept).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 from benchmarks.common import REPO
 from benchmarks.training.other_folders import write_folders
 from benchmarks.training.steps import eval_step, export_step, pretrain_step, print_plan, run_steps, set_args
+from msn_core.durable import atomic_write_json
 
 BUSY = Path("/tmp/msn_machine_busy")
 ROOT = REPO / "runs" / "digit_stall"
@@ -200,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     for tag, key in (("knn", "knn"), (f"lowshot{args.splits}", "5shot")):
         results = json.loads((base / "pixels" / "evals" / f"pixels-{tag}.json").read_text())["results"]
         pix[key] = results[0].get("top1") if key == "knn" else results[0]["mean"]
+    path = base.with_suffix(".json")
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    if earlier.get("splits") == args.splits:  # the variants run before stay in the table; a rerun replaces its row
+        variants, rows = earlier["variants"] | variants, earlier["rows"] | rows
     report = {"data": args.data, "steps": args.steps, "splits": args.splits, "variants": variants, "rows": rows,
               "pixels": pix}
-    (base.with_suffix(".json")).write_text(json.dumps(report, indent=1))
+    atomic_write_json(path, report)
     print(f"{'variant':12s} {'loss':>13s} {'H_t end':>7s} {'pmax':>6s} {'kNN-20':>6s} {'5-shot':>6s}")
     for name, r in rows.items():
         print(f"{name:12s} {r['loss_start']:6.2f}->{r['loss_end']:5.2f} {r['target_entropy_end']:7.2f} "

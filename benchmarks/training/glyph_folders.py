@@ -4,6 +4,7 @@
     python -m benchmarks.training.glyph_folders                           # pretrain on the flat folder for 10 minutes
     python -m benchmarks.training.glyph_folders --layout flat nested --budget 30m
     python -m benchmarks.training.glyph_folders --render-only             # write the images, train nothing
+    python -m benchmarks.training.glyph_folders --set augment.affine_p=0.8 augment.stroke_p=0.8 --tag shape
 
 The images: the digits 0-9 (10 classes) drawn with Pillow in the TrueType fonts of ``FONT_FILES`` that exist on the
 machine (DejaVu and Liberation on Debian; Pillow's built-in font where none does, so the set builds anywhere, but
@@ -20,12 +21,14 @@ generator, so the set is the same on every run and machine with the same fonts a
    (two folders deep, so the trainer's ``auto`` source lists them as one unlabelled folder rather than as classes),
    and ``DATA/labelled/{train,val}/<digit>/NNNNN.png`` for evaluation only.
 2. For each ``--layout``: ``torchrun --standalone --nproc_per_node=1 training/pretrain.py --data DATA/<layout>
-   --budget B``, no ``--config``, no ``--set``; then ``msn-export``, ``msn-eval lowshot --shots 1 2 5 --splits 3``
+   --budget B``, no ``--config`` and no ``--set`` unless given (then the work folder and the results file carry
+   ``--tag``); then ``msn-export``, ``msn-eval lowshot --shots 1 2 5 --splits 3``
    and ``msn-eval knn`` on ``DATA/labelled`` for the bundle and for raw pixels, as
    :mod:`benchmarks.training.other_folders` does (its steps are reused).
 
-Nothing about these images was used to tune the trainer's plan. The pretraining runs are timed: give them the
-machine to themselves. The result goes to ``benchmarks/results/glyph_folders-<budget>.json``.
+One rule of the trainer's plan was found on these images (views whose grey levels are redrawn when the plain
+backgrounds differ in grey: docs/results-notes.md); nothing else in it was tuned on them. The pretraining runs are
+timed: give them the machine to themselves. The result goes to ``benchmarks/results/glyph_folders-<budget>.json``.
 """
 
 from __future__ import annotations
@@ -241,14 +244,19 @@ def data_dir(root: Path, sizes: Sequence[int]) -> Path:
     return root / f"glyphs-{'-'.join(map(str, sizes))}px"
 
 
-def build_plans(root: Path, sizes: Sequence[int], budget: str, layouts: Sequence[str]) -> dict[Path, list[Step]]:
+def work_name(layout: str, budget: str, tag: str = "") -> str:
+    return f"{layout}-{budget}" + (f"-{tag}" if tag else "")
+
+
+def build_plans(root: Path, sizes: Sequence[int], budget: str, layouts: Sequence[str], sets: Sequence[str] = (),
+                tag: str = "") -> dict[Path, list[Step]]:
     """One plan per layout, each a work folder of its own; the images are written once and shared."""
     data = data_dir(root, sizes)
     write = Step(f"write the glyph folders ({', '.join(map(str, sizes))} px)",
                  ["(python) write_glyph_folders", str(data)], [data / "images.json"],
                  lambda: print(f"{write_glyph_folders(data, sizes)['train']} training images in {data}"))
-    return {root / f"{layout}-{budget}": folder_plan(root / f"{layout}-{budget}", write, budget,
-                                                     data / layout, data / "labelled")
+    return {root / work_name(layout, budget, tag): folder_plan(root / work_name(layout, budget, tag), write, budget,
+                                                               data / layout, data / "labelled", sets)
             for layout in layouts}
 
 
@@ -258,27 +266,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="10m", help="pretrain.py --budget (e.g. 10m, 30m)")
     parser.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["flat"],
                         help="which unlabelled folder(s) to pretrain on, one run each (both are always written)")
+    parser.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="overrides of the plan, passed to pretrain.py (needs --tag)")
+    parser.add_argument("--tag", default="", help="names the work folders and the results file of a --set run")
     parser.add_argument("--workdir", type=Path, help="images and one folder per layout (default: runs/glyph_folders)")
     parser.add_argument("--pretrain-only", action="store_true", help="stop each plan after pretraining (the timed "
                         "part), so evaluations can run later")
     parser.add_argument("--render-only", action="store_true", help="write the images and exit")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = parser.parse_args(argv)
+    if args.sets and not args.tag:
+        parser.error("--set needs --tag: the planned run's folders and results keep their names")
     root = (args.workdir or REPO / "runs" / "glyph_folders").resolve()
     if args.render_only and not args.dry_run:
         record = write_glyph_folders(data_dir(root, args.sizes), args.sizes)
         print(f"{record['train']} training and {record['test']} test images in {data_dir(root, args.sizes)}; "
               f"fonts: {', '.join(record['fonts'])}")
         return 0
-    plans = build_plans(root, args.sizes, args.budget, args.layout)
+    plans = build_plans(root, args.sizes, args.budget, args.layout, args.sets, args.tag)
     if not execute(plans, dry_run=args.dry_run, pretrain_only=args.pretrain_only):
         return 0
     data = data_dir(root, args.sizes)
-    folders = {f"glyphs-{layout}": collect_run(root / f"{layout}-{args.budget}", args.budget,
-                                               data / "images.json", data / layout)
+    folders = {f"glyphs-{layout}": collect_run(root / work_name(layout, args.budget, args.tag), args.budget,
+                                               data / "images.json", data / layout, args.sets)
                for layout in args.layout}
-    save_json(RESULTS / f"glyph_folders-{args.budget}.json",
-              {"machine": machine(), "budget": args.budget, "sizes": list(args.sizes), "folders": folders})
+    save_json(RESULTS / f"glyph_folders-{args.budget}{f'-{args.tag}' if args.tag else ''}.json",
+              {"machine": machine(), "budget": args.budget, "sizes": list(args.sizes), "sets": args.sets,
+               "folders": folders})
     return 0
 
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -99,19 +100,22 @@ def write_folders(work: Path, size: int) -> int:
     return len(train_x)
 
 
-def folder_run(work: Path, budget: str, data: Path | None = None) -> Step:
-    """Pretraining on the unlabelled folder ``data`` (default ``WORK/flat``) into ``WORK/run``."""
+def folder_run(work: Path, budget: str, data: Path | None = None, sets: Sequence[str] = ()) -> Step:
+    """Pretraining on the unlabelled folder ``data`` (default ``WORK/flat``) into ``WORK/run``; ``sets``: the
+    ``--set KEY=VALUE`` overrides of the plan, if any."""
     run_dir = work / "run"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", "--nproc_per_node=1", "training/pretrain.py", "--data",
-               str(data or work / "flat"), "--budget", budget, "--output-dir", str(run_dir)]
+               str(data or work / "flat"), "--budget", budget, "--output-dir", str(run_dir),
+               *(["--set", *sets] if sets else [])]
     # the run's own output, kept beside it
     return pretrain_step(f"pretrain --data (budget {budget})", command, run_dir, log=work / "pretrain.log")
 
 
-def folder_plan(work: Path, write: Step, budget: str, data: Path, labelled: Path) -> list[Step]:
+def folder_plan(work: Path, write: Step, budget: str, data: Path, labelled: Path,
+                sets: Sequence[str] = ()) -> list[Step]:
     """``write`` (the images), pretraining on ``data``, export, and the evaluations on the ``labelled`` tree."""
-    return [write, folder_run(work, budget, data), export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
+    return [write, folder_run(work, budget, data, sets), export_step(work, work / "run" / "checkpoint.pt", BUNDLE),
             *bundle_and_pixels_evals(work, BUNDLE, SHOTS, data=str(labelled))]
 
 
@@ -121,7 +125,7 @@ def build_plan(work: Path, size: int, budget: str) -> list[Step]:
     return folder_plan(work, write, budget, work / "flat", work / "labelled")
 
 
-def collect_run(work: Path, budget: str, images: Path, data: Path | None = None) -> dict:
+def collect_run(work: Path, budget: str, images: Path, data: Path | None = None, sets: Sequence[str] = ()) -> dict:
     """A finished plan's record: the images' record (``images``), the command, the planned config, the run (with
     the step a collapse was confirmed at, if any) and the evaluations."""
     run_dir = work / "run"
@@ -131,7 +135,7 @@ def collect_run(work: Path, budget: str, images: Path, data: Path | None = None)
     run = {**run_record(run_dir), "collapse": collapse}
     evals = read_evals(work)
     summary = summarize_evals(evals, (BUNDLE, "pixels"))
-    return {"images": json.loads(images.read_text()), "command": folder_run(work, budget, data).command,
+    return {"images": json.loads(images.read_text()), "command": folder_run(work, budget, data, sets).command,
             "config": yaml.safe_load((run_dir / "config.yaml").read_text()), "run": run, "summary": summary,
             "evals": evals}
 

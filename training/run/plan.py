@@ -28,7 +28,7 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
    the official views. Folders whose images have plain backgrounds of differing grey (the survey's
    ``background_spread``: the rendered glyphs, scans) get each view's darkest and lightest grey redrawn
    (``augment.levels_p``): otherwise two views share the background level and the encoder learns to sort images by
-   it (the glyphs' CLS token told their background quartile 95 % of the time and their digit 19 %).
+   it (the glyphs' CLS token told their background quartile 95 % of the time and their digit 18.5 %).
 4. **Batch per device**: on a GPU the largest power of two whose activations fit in 80 % of its memory (Korthikanti
    et al.'s estimate, ``training/run/machine.py``), up to the paper's global 1,024 and at most an eighth of the
    images; on a CPU the small-image recipe's 64 per step.

@@ -18,9 +18,10 @@ Both are medians over a trailing window of logged records (robust to noisy batch
 ``CHECK_FRACTION`` of the planned steps on (at least ``MIN_CHECK_STEPS``), and must hold on ``PATIENCE`` records
 spanning ``MIN_SPAN_STEPS``: a stall is reported once, within the first 10 % of any run of 1,100 planned steps or
 more. The cause named is the learning rate when it is far below the batch's rule (``training/run/plan.py``: a
-config can say nothing truer about a learning rate without labels), else views that keep too little of an image
-(official crops, masking or photometric jitter: what stalled the digit folders, docs/results-notes.md), else the
-targets' temperature. The checks read
+config can say nothing truer about a learning rate without labels), else views that keep too little of a small
+image holding little detail (official crops, masking or photometric jitter: what stalled the digit folders,
+docs/results-notes.md; on the rendered glyphs, with more detail, easier views did worse), else the targets'
+temperature. The checks read
 floats the monitor has already logged: no device sync of their own. A resumed run is not checked (its start, which
 the targets are read against, was in an earlier launch). The runs the thresholds were chosen on, with their signals,
 are in docs/training.md ("Stalls").
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.config import Config
-from training.run.plan import LOW_DETAIL_CROP, LOW_DETAIL_MASK, PAPER_START_LR, lr_for_batch
+from training.run.plan import LOW_DETAIL, LOW_DETAIL_CROP, LOW_DETAIL_MASK, PAPER_START_LR, lr_for_batch
 
 __all__ = ["Stall", "StallDetector"]
 
@@ -69,7 +70,7 @@ class Stall:
 class StallSettings:
     """What the rule and the advice refer to: the run's prototypes, global batch, peak learning rate, target
     temperatures and how much of an image its views keep (the crop's smallest share of the area, the share of
-    patches masked, whether any photometric jitter is on)."""
+    patches masked, whether any photometric jitter is on, whether pose and stroke jitter are)."""
 
     num_prototypes: int
     global_batch: int
@@ -79,19 +80,29 @@ class StallSettings:
     crop_min: float = 0.3
     mask_ratio: float = 0.3
     photometric: bool = True
-    small_images: bool = True  # below the paper's geometry (64 px): where the views were measured to stall a run
+    small_images: bool = True  # under the paper's 64 px: where views were measured to stall a run
+    # the images hold little detail (the planner's survey: at most 14 px; True when unknown): the digits, which
+    # learned on views that keep more and jitter less; the rendered glyphs (19-28 px) did worse on those and best
+    # on views that vary pose and stroke (docs/results-notes.md)
+    low_detail: bool = True
+    shape_jitter: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Config, global_batch: int) -> StallSettings:
+    def from_config(cls, cfg: Config, global_batch: int, detail: int | None = None) -> StallSettings:
+        """``detail``: the side the images' content needs, as the planner's survey measured it (None: unknown)."""
         loss, aug = cfg.loss, cfg.augment
         photometric = max(aug.color_jitter_p, aug.grayscale_p, aug.blur_p, aug.solarize_p) > 0
         return cls(cfg.model.num_prototypes, global_batch, cfg.optim.lr, loss.sharpen_start, loss.sharpen_end,
-                   cfg.mask.rand_crop_scale[0], cfg.mask.ratio, photometric, cfg.model.image_size < 64)
+                   cfg.mask.rand_crop_scale[0], cfg.mask.ratio, photometric, cfg.model.image_size < 64,
+                   detail is None or detail <= LOW_DETAIL, aug.affine_p > 0 and aug.stroke_p > 0)
 
     def hard_views(self) -> bool:
-        """Small images whose views keep less of them than the ones that got the stalled digit folders learning."""
-        return self.small_images and (self.crop_min < EASY_CROP_MIN or self.mask_ratio > EASY_MASK
-                                      or self.photometric)
+        """Small images whose views keep less of them (or, with more detail, vary less) than the views that got
+        the stalled development sets learning."""
+        if not self.small_images:
+            return False
+        keep_less = self.crop_min < EASY_CROP_MIN or self.mask_ratio > EASY_MASK
+        return keep_less or (self.photometric if self.low_detail else not self.shape_jitter)
 
 
 class StallDetector:
@@ -167,13 +178,20 @@ class StallDetector:
                    + (f"; the predictions have hardly moved (entropy {s['start_entropy']:.3f} -> "
                       f"{s['entropy']:.3f} nats)" if still else ""))
             fix = f"--set optim.lr={rule:g} optim.start_lr={min(PAPER_START_LR, rule):g}"
-        elif cause == "views":
+        elif cause == "views" and g.low_detail:
             why = (f"two views of an image share too little for one to predict the other's prototypes (crops from "
                    f"{g.crop_min:.0%} of the area, {g.mask_ratio:.0%} of the patches masked"
                    + (", photometric jitter" if g.photometric else "") + "); on small images with little detail "
                    "such runs stalled, and views keeping more of the image learned")
             fix = (f"--set mask.rand_crop_scale=[{EASY_CROP_MIN},1.0] mask.ratio={EASY_MASK} augment.color_jitter_p=0 "
                    "augment.grayscale_p=0 augment.blur_p=0")
+        elif cause == "views":
+            why = (f"views that crop from {g.crop_min:.0%} of the area and mask {g.mask_ratio:.0%} of the patches"
+                   + ("" if g.shape_jitter else " and do not vary pose or stroke") + "; on small rendered glyphs "
+                   "(digits in 12 fonts) views that keep more of the image and rotate, shear, thicken and thin it "
+                   "gave the best features, though their loss stays near log K too")
+            fix = (f"--set mask.rand_crop_scale=[{EASY_CROP_MIN},1.0] mask.ratio={EASY_MASK} augment.affine_p=0.8 "
+                   "augment.stroke_p=0.8")
         else:
             sharper = float(f"{0.6 * min(g.sharpen_start, g.sharpen_end):.2g}")
             why = (f"the targets do not sharpen at temperature {g.sharpen_end:g} over {g.num_prototypes} "
