@@ -6,11 +6,15 @@ U[0.1, 2.0] pixels, normalisation; optionally solarisation. Every probability an
 (``training.config.AugmentConfig``): the official values are sized for 224 px views, where a 2 px blur is mild;
 on 28 px images it erases most of the detail. Random parameters are independent per sample and per view.
 
+Off by default and not in the official recipe (docs/results-notes.md, the rendered glyphs): stroke jitter and
+redrawn grey levels (``random_stroke``, ``random_levels``, applied to the whole image before the crop), and a
+random rotation and shear (after the crop).
+
 Each view group is one kornia call over a repeated batch (2B for target+anchor, ``num_focal``*B for the focal views),
 so the cost is a handful of batched kernels whatever the batch size. Crops use ``cropping_mode="resample"`` (one
 batched ``grid_sample``) instead of kornia's default slicing, which loops over samples in Python and syncs with the
-host. Kornia draws its random parameters from torch's default CPU generator; saving and restoring
-``torch.get_rng_state()`` reproduces the views exactly on any device.
+host. Kornia draws its random parameters from torch's default CPU generator, and so do the two functions here;
+saving and restoring ``torch.get_rng_state()`` reproduces the views exactly on any device.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ def blur_kernel_size(view_size: int) -> int:
 
 def _view_pipeline(size: int, crop_scale: Sequence[float], *, color_jitter_strength: float, color_jitter_p: float,
                    grayscale_p: float, blur_p: float, blur_sigma: Sequence[float], flip_p: float, solarize_p: float,
-                   affine: tuple[float, float, float], mean: Sequence[float], std: Sequence[float]) -> K.AugmentationSequential:
+                   affine: tuple[float, float, float], mean: Sequence[float],
+                   std: Sequence[float]) -> K.AugmentationSequential:
     s = color_jitter_strength
     steps: list[nn.Module] = [
         K.RandomResizedCrop((size, size), scale=tuple(crop_scale), ratio=(3 / 4, 4 / 3), cropping_mode="resample")
@@ -68,8 +73,8 @@ class MultiViewAugment(nn.Module):
                  rand_crop_scale: Sequence[float] = (0.3, 1.0), focal_crop_scale: Sequence[float] = (0.05, 0.3),
                  color_jitter_strength: float = 0.5, color_jitter_p: float = 0.8, grayscale_p: float = 0.2,
                  blur_p: float = 0.5, blur_sigma: Sequence[float] = (0.1, 2.0), flip_p: float = 0.5,
-                 solarize_p: float = 0.0, levels_p: float = 0.0, affine: tuple[float, float, float] = (0.0, 0.0, 0.0),
-                 stroke_p: float = 0.0, mean: Sequence[float], std: Sequence[float]) -> None:
+                 solarize_p: float = 0.0, levels_p: float = 0.0,
+                 affine: tuple[float, float, float] = (0.0, 0.0, 0.0), stroke_p: float = 0.0, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         if num_focal < 0:
             raise ValueError(f"num_focal must be >= 0, got {num_focal}")
@@ -112,8 +117,7 @@ def random_stroke(images: Tensor, p: float) -> Tensor:
     if p <= 0:
         return images
     batch = images.shape[0]
-    draw = torch.rand(batch, 1, 1, 1, device=images.device)
-    amount = torch.rand(batch, 1, 1, 1, device=images.device)
+    draw, amount = torch.rand(2, batch, 1, 1, 1).to(images.device)  # the CPU generator, as kornia's draws
     thick = F.max_pool2d(images, 3, stride=1, padding=1)
     thin = -F.max_pool2d(-images, 3, stride=1, padding=1)
     target = torch.where(draw < p / 2, thick, torch.where(draw < p, thin, images))
@@ -134,12 +138,12 @@ def random_levels(images: Tensor, p: float) -> Tensor:
     flat = images.reshape(batch, -1)
     low, high = flat.amin(1).view(-1, 1, 1, 1), flat.amax(1).view(-1, 1, 1, 1)
 
-    def draw(lo_hi: tuple[float, float]) -> Tensor:
-        return torch.empty(batch, 1, 1, 1, device=images.device).uniform_(*lo_hi)
+    def draw(lo_hi: tuple[float, float]) -> Tensor:  # the CPU generator, as kornia's draws
+        return torch.empty(batch, 1, 1, 1).uniform_(*lo_hi).to(images.device)
 
     black, white = draw(LEVELS_BLACK), draw(LEVELS_WHITE)
     relevelled = black + (white - black) * (images - low) / (high - low).clamp(min=1e-3)
-    apply = torch.rand(batch, 1, 1, 1, device=images.device) < p
+    apply = torch.rand(batch, 1, 1, 1).to(images.device) < p
     return torch.where(apply & (high > low), relevelled, images)
 
 

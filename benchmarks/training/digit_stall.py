@@ -68,6 +68,8 @@ VARIANTS |= {
     "levels_shape_larger": {"augment.levels_p": 1.0, "augment.affine_p": 0.8, "augment.stroke_p": 0.8,
                             "mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15},
     "levels_shape_easy": {**EASY_VIEWS, "augment.levels_p": 1.0, "augment.affine_p": 0.8, "augment.stroke_p": 0.8},
+    # digits: the plan's views (EASY_VIEWS) with the glyphs' pose and stroke jitter
+    "easy_views_shape": {**EASY_VIEWS, "augment.affine_p": 0.8, "augment.stroke_p": 0.8},
     # glyphs: views that vary what varies within a class (pose and stroke width), not only crops
     "shape_jitter": {"augment.affine_p": 0.8, "augment.stroke_p": 0.8},
     "shape_jitter_larger": {"augment.affine_p": 0.8, "augment.stroke_p": 0.8, "mask.rand_crop_scale": [0.6, 1.0],

@@ -135,9 +135,12 @@ def test_stroke_jitter_thickens_or_thins_and_keeps_the_glyph_centred() -> None:
 def test_shape_and_level_knobs_run_in_the_views() -> None:
     images = _synthetic_batch(4)
     torch.manual_seed(0)
-    target, anchor, focal = _augment(levels_p=1.0, affine=(1.0, 15.0, 15.0), stroke_p=1.0)(images)
+    augment = _augment(levels_p=1.0, affine=(1.0, 15.0, 15.0), stroke_p=1.0)
+    target, anchor, focal = augment(images)
     assert target.shape == (4, 3, 24, 24) and focal.shape == (12, 3, 12, 12)
     assert torch.isfinite(target).all() and not torch.allclose(target, anchor)
+    torch.manual_seed(0)  # every draw from the CPU generator: a restored state replays the views (resume)
+    assert all(torch.equal(a, b) for a, b in zip(augment(images), (target, anchor, focal)))
 
 
 def test_blur_kernel_is_odd_and_scales_with_the_view() -> None:

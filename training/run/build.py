@@ -87,8 +87,8 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
         rand_crop_scale=tuple(mask.rand_crop_scale), focal_crop_scale=tuple(mask.focal_crop_scale),
         color_jitter_strength=aug.color_jitter_strength, color_jitter_p=aug.color_jitter_p,
         grayscale_p=aug.grayscale_p, blur_p=aug.blur_p, blur_sigma=tuple(aug.blur_sigma), flip_p=aug.flip_p,
-        solarize_p=aug.solarize_p, levels_p=aug.levels_p,
-        affine=(aug.affine_p, aug.affine_degrees, aug.affine_shear), stroke_p=aug.stroke_p, mean=tuple(mean), std=tuple(std),
+        solarize_p=aug.solarize_p, levels_p=aug.levels_p, affine=(aug.affine_p, aug.affine_degrees, aug.affine_shear),
+        stroke_p=aug.stroke_p, mean=tuple(mean), std=tuple(std),
     ).to(device)
 
     online, target = build_networks(cfg.model)
