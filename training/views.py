@@ -74,7 +74,8 @@ class MultiViewAugment(nn.Module):
                  color_jitter_strength: float = 0.5, color_jitter_p: float = 0.8, grayscale_p: float = 0.2,
                  blur_p: float = 0.5, blur_sigma: Sequence[float] = (0.1, 2.0), flip_p: float = 0.5,
                  solarize_p: float = 0.0, levels_p: float = 0.0,
-                 affine: tuple[float, float, float] = (0.0, 0.0, 0.0), stroke_p: float = 0.0, mean: Sequence[float], std: Sequence[float]) -> None:
+                 affine: tuple[float, float, float] = (0.0, 0.0, 0.0), stroke_p: float = 0.0,
+                 mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         if num_focal < 0:
             raise ValueError(f"num_focal must be >= 0, got {num_focal}")

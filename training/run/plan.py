@@ -26,7 +26,7 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
    start and its trunk more (10 minutes: the paper's CLS feature 90.8 against 87.6 kNN-20, the served feature
    equal within one std; docs/results-notes.md). Fashion-MNIST and the rendered glyphs hold 19-28 px and keep
    the official views. Folders whose images have plain backgrounds of differing grey (the survey's
-   ``background_spread``: the rendered glyphs, scans) get each view's darkest and lightest grey redrawn
+   ``background_spread``: the rendered glyphs) get each view's darkest and lightest grey redrawn
    (``augment.levels_p``): otherwise two views share the background level and the encoder learns to sort images by
    it (the glyphs' CLS token told their background quartile 95 % of the time and their digit 18.5 %).
 4. **Batch per device**: on a GPU the largest power of two whose activations fit in 80 % of its memory (Korthikanti

@@ -1,4 +1,5 @@
-"""What the planner reads off the data before planning: how many images, their size, colours and detail.
+"""What the planner reads off the data before planning: how many images, their size, colours, detail and
+background levels.
 
 Nothing here is random or timed: every process of a ``torchrun`` job surveys the same seeded sample and plans the
 same run (``training/run/plan.py``).
@@ -13,10 +14,10 @@ of them 16-px glyphs resized to 28 px, 19 or 28 px depending on the files sample
 
 **Background levels**: the grey of each sampled image's border (its outer ``BORDER_PX`` ring), kept when the ring
 is flat (a plain background, not a photograph's edge), and their spread over the folder: the standard deviation
-of those levels in grey levels (0-255). Fashion-MNIST: 0 (always black; scikit-learn's digits: not read, their ink reaches the border); the rendered
-glyphs ~12 (backgrounds drawn from 0-40). A folder whose plain backgrounds differ from image to image hands the
-encoder a feature that two views of one image share and that says nothing of what the image shows; on the glyphs
-the trained CLS token sorted images by it (docs/results-notes.md).
+of those levels in grey levels (0-255). Fashion-MNIST: 0 (always black); the rendered glyphs 11 (backgrounds drawn
+from 0-40); scikit-learn's digits: not read (their ink reaches the border). A folder whose plain backgrounds
+differ from image to image hands the encoder a feature that two views of one image share and that says nothing of
+what the image shows; on the glyphs the trained CLS token sorted images by it (docs/results-notes.md).
 """
 
 from __future__ import annotations
