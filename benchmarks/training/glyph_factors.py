@@ -29,9 +29,10 @@ from msn_core.knn import knn_accuracy
 from msn_core.preprocessing import transform_image
 from training.model.load import load_encoder
 from training.model.readout import feature_spec, read_feature
+from training.model.vit import VisionTransformer
 
 DEFAULT_DATA = data_dir(REPO / "runs" / "glyph_folders", (16, 28, 32))
-# (name, how many classes) of every factor; continuous ones are cut at their training quartiles
+# every factor, the digit first; the continuous ones (from ``height`` on) are cut at their training quartiles
 FACTORS = ("digit", "size", "font", "height", "rotation", "shear", "stroke", "shift_x", "shift_y", "background",
            "foreground")
 CONTINUOUS = FACTORS[3:]
@@ -59,24 +60,21 @@ def factor_classes(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.
     return train_y, test_y
 
 
+def preprocessed(files: list[Path], preprocessing) -> torch.Tensor:
+    """``files`` as the bundle's graph takes them (serving's own Pillow pipeline)."""
+    return torch.from_numpy(np.stack([transform_image(Image.open(f), preprocessing) for f in files]))
+
+
 @torch.inference_mode()
-def bundle_features(bundle: Path, files: list[Path], blocks: bool) -> dict[str, np.ndarray]:
-    """The served feature and the CLS (every block's with ``blocks``) of ``files``, under the bundle's
-    preprocessing (serving's own Pillow pipeline)."""
-    encoder, info = load_encoder(bundle)
-    images = torch.from_numpy(np.stack([transform_image(Image.open(f), info.preprocessing) for f in files]))
-    out = {f"served ({info.feature})": read_feature(encoder, feature_spec(encoder, info.feature), images).numpy()}
+def bundle_features(encoder: VisionTransformer, feature: str, images: torch.Tensor,
+                    blocks: bool) -> dict[str, np.ndarray]:
+    """The served ``feature`` and the CLS (every block's with ``blocks``) of ``images``."""
+    out = {f"served ({feature})": read_feature(encoder, feature_spec(encoder, feature), images).numpy()}
     tokens = encoder.forward_blocks(images, last=encoder.depth if blocks else 1)
     for i, block in enumerate(tokens):
         depth = encoder.depth - len(tokens) + i
         out["cls_pre_norm" if depth == encoder.depth - 1 else f"cls block {depth}"] = block[:, 0].numpy()
     return out
-
-
-def pixel_features(files: list[Path], reference: Path) -> np.ndarray:
-    """Raw pixels under the reference bundle's preprocessing (``msn-eval --backend pixels``)."""
-    _, info = load_encoder(reference)
-    return np.stack([transform_image(Image.open(f), info.preprocessing).ravel() for f in files])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     named = dict(item.split("=", 1) for item in args.bundles)
     (train_files, train_f), (test_files, test_f) = factor_table(args.data, "train"), factor_table(args.data, "val")
     train_y, test_y = factor_classes(train_f, test_f)
-    features = {"pixels": (pixel_features(train_files, Path(next(iter(named.values())))),
-                           pixel_features(test_files, Path(next(iter(named.values())))))}
+    features: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, bundle in named.items():
-        train_x, test_x = bundle_features(Path(bundle), train_files, args.blocks), bundle_features(
-            Path(bundle), test_files, args.blocks)
+        encoder, info = load_encoder(bundle)
+        train_images, test_images = (preprocessed(files, info.preprocessing) for files in (train_files, test_files))
+        # raw pixels under the first bundle's preprocessing (``msn-eval --backend pixels``)
+        features.setdefault("pixels", (train_images.flatten(1).numpy(), test_images.flatten(1).numpy()))
+        train_x, test_x = (bundle_features(encoder, info.feature, x, args.blocks) for x in (train_images, test_images))
         features |= {f"{name}: {kind}": (train_x[kind], test_x[kind]) for kind in train_x}
     rows = {}
     print(f"{'feature':38s}" + "".join(f"{f[:10]:>11s}" for f in FACTORS))
