@@ -27,7 +27,7 @@ from msn_core.bundle import Preprocessing
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["ResizeCrop", "normalise", "preprocess_uint8", "resize_crop", "resize_plan", "to_mode", "transform_image"]
+__all__ = ["ResizeCrop", "normalise", "normalise_into", "preprocess_uint8", "resize_crop", "resize_plan", "to_mode", "transform_image"]
 
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")  # Pillow's Resampling names
 # Filters whose weights are continuous in the sample position: resampling only the crop window gives resize-then-crop
@@ -73,20 +73,29 @@ def normalise(image: Any, mean: Sequence[float], std: Sequence[float]) -> np.nda
     CHW output: one pass instead of convert, divide, subtract, divide and transpose (about half the time)."""
     arr = np.asarray(image)
     if arr.dtype == np.uint8 and arr.ndim in (2, 3):
-        hwc = arr[:, :, None] if arr.ndim == 2 else arr
-        lut = _lut(tuple(map(float, mean)), tuple(map(float, std)))
-        n_lut, n_img = lut.shape[0], hwc.shape[2]
-        if 1 not in (n_lut, n_img) and n_lut != n_img:  # the array path's broadcasting rule, and its error
-            raise ValueError(f"{n_lut} mean/std values for an image of {n_img} channels")
-        out = np.empty((max(n_lut, n_img), hwc.shape[0], hwc.shape[1]), dtype=np.float32)
-        for c in range(out.shape[0]):
-            np.take(lut[min(c, n_lut - 1)], hwc[:, :, min(c, n_img - 1)], out=out[c])
-        return out
+        n_img = 1 if arr.ndim == 2 else arr.shape[2]
+        n_lut = len(mean)
+        out = np.empty((max(n_lut, n_img), arr.shape[0], arr.shape[1]), dtype=np.float32)
+        return normalise_into(out, arr, mean, std)
     arr = arr.astype(np.float32) / 255.0
     if arr.ndim == 2:
         arr = arr[:, :, None]
     mean_a, std_a = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(((arr - mean_a) / std_a).transpose(2, 0, 1), dtype=np.float32)
+
+
+def normalise_into(out: np.ndarray, image: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """:func:`normalise` of a uint8 HWC (or HW) ``image`` written into ``out`` (float32 CHW, e.g. a row of a batch):
+    the same table, so the same bits, without an intermediate array. The service's engine process normalises the
+    crops its HTTP processes hand over in shared memory with it (``msn_serve.embedding.batcher``)."""
+    hwc = image[:, :, None] if image.ndim == 2 else image
+    lut = _lut(tuple(map(float, mean)), tuple(map(float, std)))
+    n_lut, n_img = lut.shape[0], hwc.shape[2]
+    if 1 not in (n_lut, n_img) and n_lut != n_img:  # the array path's broadcasting rule, and its error
+        raise ValueError(f"{n_lut} mean/std values for an image of {n_img} channels")
+    for c in range(out.shape[0]):
+        np.take(lut[min(c, n_lut - 1)], hwc[:, :, min(c, n_img - 1)], out=out[c])
+    return out
 
 
 def to_mode(im: Image.Image, channels: int) -> Image.Image:

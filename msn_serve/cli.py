@@ -26,7 +26,8 @@ FLAGS: list[tuple[str, type, str]] = [
                         "int8 (the bundle's guarded graph) or bf16 (OpenVINO, CPUs with bf16 units)")),
     ("runtime", str, "auto (default), onnxruntime or openvino (CPU)"),
     ("max-batch-size", int, "images per inference batch"),
-    ("max-wait-ms", float, "how long the first image of a batch waits for company"),
+    ("max-wait-ms", float, ("how long the first image waits for company when the engine is idle (default 0: at "
+                            "once; while the engine is busy the next batch fills anyway)")),
     ("queue-size", int, "images allowed to wait; beyond that requests get 503 + Retry-After"),
     ("max-body-mb", float, "request body limit (413 beyond)"),
     ("max-image-pixels", int, "decoded width*height limit per image (413 beyond)"),
@@ -48,6 +49,10 @@ FLAGS: list[tuple[str, type, str]] = [
     ("fit-workers", int, "few-shot fit worker processes (fits running at once)"),
     ("preprocess-threads", int, "threads decoding uploads (0 = 2 on cpu, every core on cuda)"),
     ("preprocess-workers", int, "worker processes decoding uploads instead of threads (0 = threads)"),
+    ("http-workers", str, ("HTTP worker processes handing decoded crops to this engine process in shared memory: N, "
+                           "auto (from the engine and the cores; /readyz says what and why) or 0 (default: one "
+                           "process serves HTTP)")),
+    ("http-worker-slots", int, "crop slots per HTTP worker process (images in flight; beyond, 503 + Retry-After)"),
     ("max-queued-fits", int, "fits waiting for a worker; beyond that 503 + Retry-After"),
     ("fit-timeout-s", float, "stop a fit after this many seconds (422)"),
     ("fit-threads", int, "threads of each fit"),
@@ -114,14 +119,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from msn_serve.http.app import create_app
     from msn_serve.http.server import uvicorn_options
+    from msn_serve.runtime import Runtime
+    from msn_serve.workers.launch import choose_http_workers, serve_with_workers
 
     try:
-        app = create_app(settings)
+        runtime = Runtime(settings)
+        app = create_app(settings, runtime)
+        front_end = choose_http_workers(settings.http_workers, runtime)
     except (OSError, ValueError) as e:  # msn_core.bundle.BundleError is a ValueError
         print(f"msn-serve: cannot start: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, **uvicorn_options(settings))
-    return 0
+    print(f"msn-serve front end: {front_end.describe()}", file=sys.stderr, flush=True)
+    if front_end.count == 0:
+        runtime.front_end = front_end.describe
+        uvicorn.run(app, **uvicorn_options(settings))
+        return 0
+    return serve_with_workers(app, runtime, overrides, front_end)
 
 
 if __name__ == "__main__":

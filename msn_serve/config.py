@@ -49,7 +49,9 @@ class Settings(BaseSettings):
     runtime: Literal["auto", "onnxruntime", "openvino"] = Field(
         "auto", description="CPU inference runtime; auto = whichever is faster here (with --precision)")
     max_batch_size: int = Field(32, ge=1, le=4096)
-    max_wait_ms: float = Field(5.0, ge=0.0, le=10_000.0)
+    # An idle engine runs what is queued at once; while it is busy the next batch fills (msn_serve.embedding.batcher).
+    max_wait_ms: float = Field(0.0, ge=0.0, le=10_000.0, description="how long the first image waits for company "
+                                                                     "when the engine is idle (0: run at once)")
     queue_size: int = Field(512, ge=1, description="images waiting for inference before new ones get 503")
     max_body_mb: float = Field(32.0, gt=0.0)
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded width*height limit (bomb guard)")
@@ -86,6 +88,12 @@ class Settings(BaseSettings):
     # parsing (docs/serving.md, "Front end", has the measurements behind the default).
     preprocess_workers: int = Field(0, ge=0, le=256, description="worker processes decoding uploads instead of "
                                                                  "threads (0: threads, --preprocess-threads)")
+    # HTTP worker processes around one engine process (msn_serve.workers, docs/serving.md "HTTP worker processes"):
+    # the front end of a fast engine runs on every core instead of one interpreter's.
+    http_workers: str = Field("0", description="HTTP processes: N, auto (decided from the engine and the cores; "
+                                              "/readyz says why) or 0 (one process serves HTTP)")
+    http_worker_slots: int = Field(256, ge=1, le=65535, description="crop slots in shared memory per HTTP process "
+                                                                     "(images in flight; beyond, 503 + Retry-After)")
     max_queued_fits: int = Field(4, ge=0, description="fits waiting for a worker before new ones get 503")
     fit_timeout_s: float = Field(300.0, gt=0.0, description="a fit running longer is stopped (422)")
     # Connections (uvicorn): slow or idle clients cannot hold the server's sockets forever.
@@ -146,6 +154,14 @@ class Settings(BaseSettings):
             out += [part.strip() for part in str(item).split(",") if part.strip()] if isinstance(item, str) \
                 else [str(item)]
         return out
+
+    @field_validator("http_workers", mode="before")
+    @classmethod
+    def _http_workers(cls, v: Any) -> str:
+        text = str(v).strip().lower()
+        if text != "auto" and not (text.isdigit() and int(text) <= 256):
+            raise ValueError("expected a number of HTTP processes (0-256) or auto")
+        return text
 
     @property
     def reader(self) -> bool:

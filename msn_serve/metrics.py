@@ -60,6 +60,10 @@ class Metrics:
                                  registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.errors = Counter("msn_errors", "errors by kind", ["kind"], registry=r)
         self.fits = Gauge("msn_fits_in_flight", "few-shot fits running or waiting for a worker", registry=r)
+        self.http_workers = Gauge("msn_http_workers", "HTTP worker processes running (0: one process serves HTTP)",
+                                  registry=r)
+        self.http_worker_restarts = Counter("msn_http_worker_restarts", "HTTP worker processes restarted after "
+                                            "they died", registry=r)
         self.models: dict[str, ModelMetrics] = {}
         r.register(_PerModelSeries(self))
 
@@ -87,6 +91,13 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def record(self, route: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (by this process, or by an HTTP worker process that reported it)."""
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route, method).observe(seconds)
+        if status >= 400:
+            self.errors.labels(f"http_{status}").inc()
 
 
 class _PerModelSeries:
@@ -137,8 +148,4 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            method = scope.get("method", "GET")
-            self.metrics.requests.labels(path, method, str(status["code"])).inc()
-            self.metrics.latency.labels(path, method).observe(time.perf_counter() - start)
-            if status["code"] >= 400:
-                self.metrics.errors.labels(f"http_{status['code']}").inc()
+            self.metrics.record(path, scope.get("method", "GET"), status["code"], time.perf_counter() - start)

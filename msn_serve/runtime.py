@@ -15,7 +15,7 @@ import asyncio
 import logging
 import signal
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,10 @@ class Runtime:
             settings.data_dir.mkdir(parents=True, exist_ok=True)
             self._dir_lock = lock_data_dir(settings.data_dir, owner="msn-serve")
             cache_dir = settings.data_dir / "cache"
-        self.models = ModelRegistry(settings, self.metrics, cache_dir, on_change=self._bind_stores)
+        self.model_listeners: list[Callable[[], None]] = []  # told after every model change (the HTTP processes)
+        # What /readyz says of the HTTP front end (msn_serve.workers sets it when HTTP worker processes serve).
+        self.front_end: Callable[[], dict[str, Any]] = lambda: {"http_workers": 0}
+        self.models = ModelRegistry(settings, self.metrics, cache_dir, on_change=self._models_changed)
         for spec in specs:  # one at a time: each may measure its runtime candidates
             self.models.install(load_model(spec, settings, self.metrics, cache_dir))
         index_store, classifier_store = self._open_stores()
@@ -120,6 +123,11 @@ class Runtime:
                            metadata_mb=s.max_index_metadata_mb, device=s.device, backend=s.index_backend,
                            milvus_uri=s.milvus_uri),
                 ClassifierStore(s.data_dir, model_id))
+
+    def _models_changed(self) -> None:
+        self._bind_stores()
+        for listener in self.model_listeners:
+            listener()
 
     def _bind_stores(self) -> None:
         """Point the stores at the models served now: the ids they accept, and the default for new stores."""
@@ -174,7 +182,8 @@ class Runtime:
     async def readiness(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
         """``(ready, detail)`` for ``/readyz`` and the OIP health routes: every model, or the one named."""
         ready, detail = await self.models.readiness(model)
-        return ready, {**detail, "device_requested": self.device.requested, "device_reason": self.device.reason}
+        return ready, {**detail, "device_requested": self.device.requested, "device_reason": self.device.reason,
+                       "front_end": self.front_end()}
 
     # ---- model management (PUT/DELETE /admin/models/{name}) ------------------------------------------------------
     async def put_model(self, name: str, bundle: Any) -> dict[str, Any]:

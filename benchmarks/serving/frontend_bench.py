@@ -108,26 +108,58 @@ def pin(pid: int, cores: set[int]) -> None:
                 pass
 
 
-def measure(bundle: Path, data: Path, requests: list[bytes], *, cores: set[int], workers: int, clients: int,
-            seconds: float, client_procs: int) -> dict:
-    """One server, pinned to ``cores``, with ``workers`` decode processes (0: as many threads as cores)."""
-    decode = ["--preprocess-workers", str(workers)] if workers else ["--preprocess-threads", str(len(cores))]
-    args = ["--max-batch-size", "64", "--max-wait-ms", "2", "--queue-size", "4096", *decode]
-    proc, url = start_server(bundle, data, args, launcher=["-m", "benchmarks.serving.instant_engine"])
+MODES = {"threads": "decode threads in one process", "processes": "decode worker processes beside one HTTP process",
+         "http": "HTTP worker processes (--http-workers, one per core) around the engine process"}
+
+
+def mode_args(mode: str, n: int) -> list[str]:
+    return {"threads": ["--preprocess-threads", str(n)], "processes": ["--preprocess-workers", str(n)],
+            "http": ["--http-workers", str(n)], "single": ["--preprocess-threads", "2"]}[mode]
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def front_end(url: str) -> dict:
+    """What /readyz says of the front end (HTTP processes, their connections), or {}."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/readyz", timeout=10) as r:
+        return json.loads(r.read()).get("front_end", {})
+
+
+def measure(bundle: Path, data: Path, requests: list[bytes], *, cores: set[int], mode: str, clients: int,
+            seconds: float, client_procs: int, launcher: list[str] | None = None,
+            extra: tuple[str, ...] = ()) -> dict:
+    """One server, pinned to ``cores``, in ``mode`` (:data:`MODES`, one decode thread/process or HTTP process a
+    core), its engine the instant engine unless ``launcher`` says otherwise."""
+    n = len(cores)
+    args = ["--max-batch-size", "64", "--queue-size", "4096", *mode_args(mode, n), *extra]
+    proc, url = start_server(bundle, data, args, launcher=launcher or ["-m", "benchmarks.serving.instant_engine"])
     port = int(url.rsplit(":", 1)[1])
     try:
-        time.sleep(0.5 if workers else 0)  # the workers finish starting (they are spawned with the pool)
+        time.sleep(0.5 if mode != "threads" else 0)  # the worker processes finish starting
         pin(proc.pid, cores)
         probe = http_load.run(port, requests, clients, max(clients * 2, 64), client_procs,
                               server_cpu=lambda: tree_cpu_seconds(proc.pid))
         total = max(clients * 2, int(probe["images_per_s"] * seconds))
         r = http_load.run(port, requests, clients, total, client_procs,
                           server_cpu=lambda: tree_cpu_seconds(proc.pid))
-        r["server_processes"] = len(tree(proc.pid))
+        processes = tree(proc.pid)
+        r["server_processes"] = len(processes)
+        r["rss_mb"] = {str(p): round(rss_kb(p) / 1024, 1) for p in processes}
+        fe = front_end(url)
+        if fe.get("processes"):
+            r["connections_per_http_process"] = [p["connections"] for p in fe["processes"]]
     finally:
         proc.terminate()
         proc.wait(30)
-    r.update(cores=len(cores), decode=f"{workers} worker processes" if workers else f"{len(cores)} threads",
+    r.update(cores=n, mode=mode, decode=MODES.get(mode, mode),
              images_per_server_cpu_s=round(r["requests"] / r["server_cpu_s"], 1) if r["server_cpu_s"] else None,
              images_per_s=round(r["images_per_s"], 1))
     return r
@@ -139,7 +171,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=2, help="load-generator processes")
     ap.add_argument("--cores", default="1,2", help="server core counts to measure (the first N allowed cores)")
-    ap.add_argument("--modes", default="threads,processes", help="threads and/or processes (one worker per core)")
+    ap.add_argument("--modes", default="threads,processes,http",
+                    help="threads, processes (decode workers) and/or http (HTTP worker processes), one per core")
     ap.add_argument("--out", type=Path, default=RESULTS / "frontend_bench.json")
     a = ap.parse_args()
     allowed = sorted(os.sched_getaffinity(0))
@@ -153,16 +186,15 @@ def main() -> None:
                 print(f"skipping {n} cores: only {len(allowed)} allowed here")
                 continue
             for mode in a.modes.split(","):
-                r = measure(bundle, Path(tmp) / f"data-{n}-{mode}", requests, cores=set(allowed[:n]),
-                            workers=n if mode == "processes" else 0, clients=a.clients, seconds=a.seconds,
-                            client_procs=a.client_procs)
+                r = measure(bundle, Path(tmp) / f"data-{n}-{mode}", requests, cores=set(allowed[:n]), mode=mode,
+                            clients=a.clients, seconds=a.seconds, client_procs=a.client_procs)
                 rows.append(r)
-                print(f"[{RUNTIME}] {n} core(s), {r['decode']}: {r['images_per_s']} images/s, "
+                print(f"[{RUNTIME}] {n} core(s), {mode}: {r['images_per_s']} images/s, "
                       f"{r['server_cpu_s']} server CPU-s for {r['requests']} -> {r['images_per_server_cpu_s']} "
                       f"images per server CPU-second; p50 {r['p50_ms']:.1f} ms, errors {r['errors']}")
     scaling = {}
-    for mode in ("threads", "processes"):
-        by = {r["cores"]: r["images_per_s"] for r in rows if r["decode"].endswith(mode)}
+    for mode in MODES:
+        by = {r["cores"]: r["images_per_s"] for r in rows if r["mode"] == mode}
         if 1 in by and 2 in by:
             scaling[mode] = round(by[2] / by[1], 2)
             print(f"2 cores / 1 core, {mode}: {scaling[mode]}x")

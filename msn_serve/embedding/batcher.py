@@ -1,8 +1,14 @@
-"""Asyncio dynamic batcher in front of the ONNX Runtime engine.
+"""Asyncio dynamic batcher in front of the inference engine.
 
 Requests enqueue *preprocessed* images (decoding errors never reach this point, so a bad upload can only fail its
-own request). A single worker coroutine closes a batch at ``max_batch_size`` images or ``max_wait_ms`` after the
-oldest waiting image, then runs it in a one-thread executor so the event loop keeps accepting requests.
+own request): float32 ``(C,H,W)`` arrays, or uint8 ``(H,W,C)`` crops that the HTTP worker processes left in shared
+memory (:mod:`msn_serve.workers`), normalised here while the batch is packed, with the table of
+:func:`msn_core.preprocessing.normalise` (the same bits).
+
+The engine never waits on Python: a single worker coroutine runs a batch at once when the engine is idle (after
+``max_wait_ms``, 0 by default), and while the engine runs one batch the next one fills up (to ``max_batch_size``)
+and is packed in a thread of its own, ready the moment the engine is free. Batches run in a one-thread executor so
+the event loop keeps accepting requests.
 
 Mixed kept-patch counts: images with different K share a batch, their ``keep_idx`` rows padded to the largest K
 with ``-1`` (the bundle contract, :mod:`msn_core.bundle`; the padded keys get a -1e4 attention bias, which
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from msn_core.masks import PAD, pad_keep
+from msn_core.preprocessing import normalise_into
 from msn_serve.embedding.engine import InferenceEngine
 from msn_serve.errors import ApiError
 from msn_serve.metrics import Metrics
@@ -40,9 +47,12 @@ class InferenceFailed(ApiError):
         super().__init__(500, f"inference failed: {message}")
 
 
+INLINE_PACK_BYTES = 1 << 20  # smaller batches are packed on the event loop (a thread hop would cost more)
+
+
 @dataclass
 class _Item:
-    pixels: np.ndarray
+    pixels: np.ndarray  # float32 (C,H,W) normalised, or a uint8 (H,W,C) crop normalised when packed
     keep: np.ndarray
     future: asyncio.Future
     enqueued: float
@@ -77,7 +87,11 @@ class Batcher:
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msn-infer")
+        self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msn-pack")
+        pre = engine.info.preprocessing
+        self._mean, self._std = pre.mean, pre.std
         self._task: asyncio.Task | None = None
+        self._running: asyncio.Task | None = None  # the batch the engine runs now
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.batches_run = 0
@@ -94,11 +108,14 @@ class Batcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._running is not None and not self._running.done():
+            self._running.cancel()
         for item in self._queue:
             if not item.future.done():
                 item.future.set_exception(ApiError(503, "server is shutting down"))
         self._queue.clear()
         self._executor.shutdown(wait=True)
+        self._packer.shutdown(wait=True)
 
     @property
     def queue_depth(self) -> int:
@@ -154,23 +171,42 @@ class Batcher:
             raise
         return np.stack(rows).astype(np.float32, copy=False)
 
-    # ---- worker side -----------------------------------------------------------------------------------------
+    # ---- worker side ----------------------------------------------------------------------------------------
+    @property
+    def engine_busy(self) -> bool:
+        return self._running is not None and not self._running.done()
+
+    async def _wait(self, timeout: float | None = None) -> bool:
+        """Until something changes (an image arrives, the engine frees up) or ``timeout``; False on the timeout."""
+        self._wake.clear()
+        if timeout is None:
+            await self._wake.wait()
+            return True
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _batch_ready(self) -> None:
+        """Return when a batch should be taken: at once for an idle engine (after ``max_wait``, 0 by default);
+        while the engine is busy, once a full batch waits (packed while the engine finishes) or the engine is free."""
+        while not self._queue:
+            await self._wait()
+        if self.engine_busy:
+            while self.engine_busy and len(self._queue) < self.max_batch_size:
+                await self._wait()
+            return
+        deadline = self._queue[0].enqueued + self.max_wait
+        while len(self._queue) < self.max_batch_size and not self.engine_busy:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0 or not await self._wait(remaining):
+                return
+
     async def _loop(self) -> None:
         while True:
             try:
-                while not self._queue:
-                    self._wake.clear()
-                    await self._wake.wait()
-                deadline = self._queue[0].enqueued + self.max_wait
-                while len(self._queue) < self.max_batch_size:
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0:
-                        break
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), remaining)
-                    except TimeoutError:
-                        break
+                await self._batch_ready()
                 batch: list[_Item] = []
                 while self._queue and len(batch) < self.max_batch_size:
                     item = self._queue.popleft()
@@ -178,7 +214,7 @@ class Batcher:
                         batch.append(item)
                 self.metrics.queue_depth.set(len(self._queue))
                 for group in self._group(batch):
-                    await self._run_group(group)
+                    await self._launch(group)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -200,31 +236,52 @@ class Batcher:
         if self.pad_shapes:
             k = next((kb for kb in self.k_buckets if kb >= k), k)
             b = next((bb for bb in self.b_buckets if bb >= b), b)
-        pixels = np.zeros((b, *group[0].pixels.shape), dtype=np.float32)
+        first = group[0].pixels
+        shape = (first.shape[2], *first.shape[:2]) if first.dtype == np.uint8 else first.shape
+        pixels = np.zeros((b, *shape), dtype=np.float32)
         for i, it in enumerate(group):
-            pixels[i] = it.pixels
+            if it.pixels.dtype == np.uint8:
+                normalise_into(pixels[i], it.pixels, self._mean, self._std)
+            else:
+                pixels[i] = it.pixels
         # Shape-padding rows keep patch 0 alone: a row with every key masked would give an all-masked softmax.
         one_patch = np.zeros(1, dtype=np.int64)
         return pixels, pad_keep([it.keep for it in group] + [one_patch] * (b - len(group)), width=k)
 
-    async def _run_group(self, group: list[_Item]) -> None:
-        loop = asyncio.get_running_loop()
+    async def _launch(self, group: list[_Item]) -> None:
+        """Pack ``group`` (in the packing thread when it is large: the engine may be running meanwhile), wait for
+        the engine to be free, and start it on the batch; returns without waiting for the result."""
         now = time.perf_counter()
         for it in group:
             self.metrics.queue_wait.observe(now - it.enqueued)
             self.metrics.kept_tokens.observe(len(it.keep))
-        pixels, keep = self._pack(group)
+        if sum(it.pixels.nbytes for it in group) > INLINE_PACK_BYTES:
+            pixels, keep = await asyncio.get_running_loop().run_in_executor(self._packer, self._pack, group)
+        else:
+            pixels, keep = self._pack(group)
         self.metrics.batch_size.observe(len(group))
         self.metrics.padded_tokens.inc(int((keep[: len(group)] == PAD).sum()))
+        while self.engine_busy:
+            await self._wait()
+        self._running = asyncio.get_running_loop().create_task(self._execute(group, pixels, keep))
+        self._running.add_done_callback(lambda _: self._wake.set())
+
+    async def _execute(self, group: list[_Item], pixels: np.ndarray, keep: np.ndarray) -> None:
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
             out = await loop.run_in_executor(self._executor, self.engine.run, pixels, keep)
+        except asyncio.CancelledError:
+            for it in group:
+                if not it.future.done():
+                    it.future.set_exception(ApiError(503, "server is shutting down"))
+            raise
         except Exception as e:  # noqa: BLE001
             self.metrics.errors.labels("inference").inc()
             log.warning("batch of %d failed (%s); retrying items one by one", len(group), e)
             if len(group) > 1:
                 for it in group:
-                    await self._run_group([it])
+                    await self._execute([it], *self._pack([it]))
                 return
             self.consecutive_failures += 1
             self.last_error = str(e)

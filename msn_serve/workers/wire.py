@@ -1,0 +1,115 @@
+"""The messages between an HTTP process and the engine process: small, length-prefixed, over a local socket.
+
+Pixels never travel here: an embed request names the ring slots its crops wait in (:mod:`msn_serve.workers.ring`).
+
+- ``E`` (HTTP -> engine) embed: request id, model name, and per image its slot, crop shape and kept-patch count.
+- ``R`` (engine -> HTTP) the answer: status 200 with the model id and the float32 embeddings, or an error status
+  with its JSON body (``{"error", "headers"}``); the slots of the request are free again once it arrives.
+- ``C`` (engine -> HTTP) the catalog of models served (each model's ``msn.json``, and the default's name): sent on
+  connection and after every model change.
+- ``M`` (HTTP -> engine) request records (route, method, status, seconds) and error counts, for the one
+  ``/metrics`` the engine process renders: it outlives the HTTP processes, so their counters never go down.
+- ``X`` (HTTP -> engine) how many of the connections the engine process handed over have closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_LEN = struct.Struct("<I")
+_EMBED = struct.Struct("<IHH")  # request id, image count, model name length
+_IMAGE = struct.Struct("<IHHBH")  # slot, height, width, channels, kept patches
+_REPLY = struct.Struct("<IHHHH")  # request id, status, count, dim, model id length
+MAX_MESSAGE = 64 << 20
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    slot: int
+    height: int
+    width: int
+    channels: int
+    kept: int
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    request: int
+    model: str | None  # None: the default model
+    images: list[ImageRef]
+
+
+@dataclass(frozen=True)
+class Reply:
+    request: int
+    status: int
+    model_id: str = ""
+    embeddings: np.ndarray | None = None
+    error: dict[str, Any] | None = None
+
+
+def frame(kind: bytes, payload: bytes) -> bytes:
+    return _LEN.pack(len(payload) + 1) + kind + payload
+
+
+async def read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """``(kind, payload)`` of the next message; ``IncompleteReadError`` at the end of the stream."""
+    (size,) = _LEN.unpack(await reader.readexactly(4))
+    if not 1 <= size <= MAX_MESSAGE:
+        raise ValueError(f"message of {size} bytes")
+    body = await reader.readexactly(size)
+    return body[:1], body[1:]
+
+
+def embed_message(call: EmbedCall) -> bytes:
+    name = (call.model or "").encode()
+    parts = [_EMBED.pack(call.request, len(call.images), len(name)), name]
+    parts += [_IMAGE.pack(i.slot, i.height, i.width, i.channels, i.kept) for i in call.images]
+    return frame(b"E", b"".join(parts))
+
+
+def parse_embed(payload: bytes) -> EmbedCall:
+    request, count, name_len = _EMBED.unpack_from(payload)
+    at = _EMBED.size
+    name = payload[at: at + name_len].decode()
+    at += name_len
+    images = [ImageRef(*_IMAGE.unpack_from(payload, at + i * _IMAGE.size)) for i in range(count)]
+    return EmbedCall(request, name or None, images)
+
+
+def reply_message(reply: Reply) -> bytes:
+    if reply.embeddings is not None:
+        emb = np.ascontiguousarray(reply.embeddings, dtype="<f4")
+        mid = reply.model_id.encode()
+        head = _REPLY.pack(reply.request, reply.status, emb.shape[0], emb.shape[1], len(mid))
+        return frame(b"R", head + mid + emb.tobytes())
+    body = json.dumps(reply.error or {}).encode()
+    return frame(b"R", _REPLY.pack(reply.request, reply.status, 0, 0, 0) + body)
+
+
+def parse_reply(payload: bytes) -> Reply:
+    request, status, count, dim, mid_len = _REPLY.unpack_from(payload)
+    at = _REPLY.size
+    if status != 200:
+        return Reply(request, status, error=json.loads(payload[at:] or b"{}"))
+    model_id = payload[at: at + mid_len].decode()
+    at += mid_len
+    emb = np.frombuffer(payload, dtype="<f4", count=count * dim, offset=at).reshape(count, dim)
+    return Reply(request, status, model_id, emb)
+
+
+def json_message(kind: bytes, document: Any) -> bytes:
+    return frame(kind, json.dumps(document).encode())
+
+
+def closed_message(count: int) -> bytes:
+    return frame(b"X", _LEN.pack(count))
+
+
+def parse_closed(payload: bytes) -> int:
+    return _LEN.unpack(payload)[0]
