@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     tiny_faiss = ["--n", "4000", "--queries", "100", "--min-seconds", "0.02"] if a.dry_run else []
     # frontend: 4 core counts x 2 modes x (8 s timed + ~4 s to start and probe) ~ 100 s; it writes its JSON at the
     # end, so it runs whole or not at all. 16 cores is left out: the load generator runs on the same host and would
-    # share the server's cores (8 stay free for it at 8).
-    # The dry run measures one configuration, worker processes (threads: tests/serve/test_decode_pool.py's smoke run).
-    frontend = (["--cores", "1", "--seconds", "1", "--clients", "4", "--client-procs", "1", "--modes", "processes"]
+    # share the server's cores (8 stay free for it at 8). Threads (one process) against HTTP worker processes: how
+    # each added HTTP process adds to the rate.
+    # The dry run measures one configuration, HTTP worker processes (threads: tests/serve/test_decode_pool.py).
+    frontend = (["--cores", "1", "--seconds", "1", "--clients", "4", "--client-procs", "1", "--modes", "http"]
                 if a.dry_run else ["--cores", "1,2,4,8", "--seconds", "8", "--clients", "64", "--client-procs", "4",
-                                   "--modes", "threads,processes"])
+                                   "--modes", "threads,http"])
     stages = [  # (name, command, seconds it needs at least, seconds it may take)
         ("tests", [py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rs", *CUDA_TESTS], 30, 150),
         ("serving", [py, "-m", "benchmarks.gpu.serving", "--out", str(a.out / "serving.json"), *quick], 60, 200),

@@ -159,7 +159,9 @@ def offline_section(bundle: Path, cuda: bool, threads: int, batches: list[int], 
 
 
 def http_section(bundle: Path, cuda: bool, threads: int, batch: int, wait_ms: float, per_client: int, procs: int,
-                 clients: list[int], tmp: Path) -> dict:
+                 clients: list[int], tmp: Path, http_workers: list[str]) -> dict:
+    """HTTP against the engine: for each ``--http-workers`` setting (0: one process; auto: one HTTP process per
+    host core but one), images/s at each client count, against the engine offline."""
     import httpx
 
     from benchmarks.serving.serve_bench import load, offline
@@ -169,33 +171,36 @@ def http_section(bundle: Path, cuda: bool, threads: int, batch: int, wait_ms: fl
 
     device = "cuda" if cuda else "cpu"
     images = test_images(16)
-    proc, url = start_server(bundle, tmp / "data", ["--device", device, "--max-batch-size", str(batch),
-                                                    "--max-wait-ms", str(wait_ms), "--queue-size", "8192"])
-    try:
-        ready = httpx.get(f"{url}/readyz", timeout=10).json()
-        info = load_bundle_info(bundle)
-        engine = Engine(info, device=device, fp16=True, cache_dir=tmp, intra_op_threads=threads)
-        keep = np.tile(np.arange(info.num_patches, dtype=np.int64), (batch, 1))
-        pixels = np.zeros((batch, info.in_chans, info.image_size, info.image_size), np.float32)
-        engine.run(pixels, keep)
-        t = timed({"engine": engine}, pixels, keep, 1, 20)["engine"]
-        pure = batch / float(np.median(t))
-        runs = []
-        for c in clients:
-            r = load(url, images, c, max(c * per_client, 32), [None], procs, server_pid=proc.pid)
-            runs.append(r)
-            print(f"http {c} clients:", json.dumps(r), flush=True)
-        with_decode = offline(bundle, images, batch, threads, max(256, 4 * batch), engine=engine)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    top = runs[-1]
-    return {"device": device, "served": {k: ready.get(k) for k in ("runtime", "precision", "device")
-                                         if k in ready}, "batch": batch, "max_wait_ms": wait_ms,
-            "client_procs": procs, "clients": runs, "offline_pure_images_per_s": round(pure, 1),
-            "offline_with_decode": with_decode,
+    info = load_bundle_info(bundle)
+    engine = Engine(info, device=device, fp16=True, cache_dir=tmp, intra_op_threads=threads)
+    keep = np.tile(np.arange(info.num_patches, dtype=np.int64), (batch, 1))
+    pixels = np.zeros((batch, info.in_chans, info.image_size, info.image_size), np.float32)
+    engine.run(pixels, keep)
+    pure = batch / float(np.median(timed({"engine": engine}, pixels, keep, 1, 20)["engine"]))
+    with_decode = offline(bundle, images, batch, threads, max(256, 4 * batch), engine=engine)
+    out: dict = {"device": device, "batch": batch, "max_wait_ms": wait_ms, "client_procs": procs,
+                 "offline_pure_images_per_s": round(pure, 1), "offline_with_decode": with_decode, "by_workers": {}}
+    for workers in http_workers:
+        proc, url = start_server(bundle, tmp / f"data-{workers}", [
+            "--device", device, "--max-batch-size", str(batch), "--max-wait-ms", str(wait_ms), "--queue-size",
+            "8192", "--http-workers", workers])
+        try:
+            ready = httpx.get(f"{url}/readyz", timeout=10).json()
+            runs = []
+            for c in clients:
+                r = load(url, images, c, max(c * per_client, 32), [None], procs, server_pid=proc.pid)
+                runs.append(r)
+                print(f"http (--http-workers {workers}) {c} clients:", json.dumps(r), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        top = runs[-1]
+        out["by_workers"][workers] = {
+            "served": {k: ready.get(k) for k in ("runtime", "precision", "device") if k in ready},
+            "front_end": ready.get("front_end"), "clients": runs,
             f"http{clients[-1]}_vs_offline_pure": round(top["images_per_s"] / pure, 3),
             f"http{clients[-1]}_vs_offline_with_decode": round(top["images_per_s"] / with_decode["images_per_s"], 3)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, len(os.sched_getaffinity(0)) // 2)))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--http-workers", nargs="+", default=["0", "auto"],
+                    help="--http-workers settings to measure HTTP with (0: one process)")
     a = ap.parse_args(argv)
     ok, why = cuda_available()
     cuda = ok if a.device == "auto" else a.device == "cuda"
@@ -230,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         if not a.skip_http:
             result["http"] = http_section(bundle, cuda, a.threads, 4 if a.quick else a.http_batch, a.max_wait_ms,
                                           2 if a.quick else a.per_client, 1 if a.quick else a.client_procs,
-                                          [1, 4] if a.quick else a.clients, tmp)
-            print("http:", json.dumps({k: v for k, v in result["http"].items() if k != "clients"}), flush=True)
+                                          [1, 4] if a.quick else a.clients, tmp, a.http_workers)
+            for workers, row in result["http"]["by_workers"].items():
+                print(f"http --http-workers {workers}:", json.dumps({k: v for k, v in row.items() if k != "clients"}),
+                      flush=True)
     save_json(a.out, result)
     print(f"wrote {a.out}")
     return 0

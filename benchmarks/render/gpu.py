@@ -93,22 +93,7 @@ def section(results: Path) -> list[str]:
                    "the inputs every batch) did not pay: plain `session.run` was faster in every row above, so the "
                    "engine now runs plain `session.run` on CUDA too (the *-plain* columns)."), ""]
     if http is not None and "http" in http:
-        h = http["http"]
-        lines += ["### Serving over HTTP", "",
-                  (f"`msn-serve --device cuda` (served {h['served']['runtime']} {h['served']['precision']}, "
-                   f"max batch {h['batch']}, max wait {h['max_wait_ms']:g} ms), single-image JPEG clients over "
-                   f"{h['client_procs']} processes, beside the same engine offline."), "",
-                  "| clients | images/s | p50 ms | p99 ms | server CPU ms/image |", "|---|---|---|---|---|"]
-        for row in h["clients"]:
-            lines.append(f"| {row['concurrency']} | {row['images_per_s']:.0f} | {row['p50_ms']:.0f} | "
-                         f"{row['p99_ms']:.0f} | {row['server_cpu_ms_per_image']:.1f} |")
-        decode = h["offline_with_decode"]["images_per_s"]
-        lines += ["", (f"Offline: the engine alone {h['offline_pure_images_per_s']:,.0f} images/s; with decode and "
-                       f"preprocessing on two threads in-process {decode:.0f}. HTTP at 64 clients = "
-                       f"{h['http64_vs_offline_pure']:.2f} of the engine (target 0.9), "
-                       f"{h['http64_vs_offline_with_decode']:.2f} of decode + engine: the server decoded uploads on two "
-                       "threads, so a 16-core GPU host served at two cores' decode rate. `--preprocess-threads` "
-                       "(default: every core on cuda) came from this run and has not been measured on a GPU."), ""]
+        lines += _http(http["http"])
     if training is not None:
         c = training["ceilings_gflops"]
         lines += ["### Pretraining beside the official step", "",
@@ -145,3 +130,30 @@ def section(results: Path) -> list[str]:
                    f"recall@10 {r['recall']:.3f} at {r['qps']:,.0f} queries/s (build {r['build_s']:.0f} s). "
                    f"{faiss['note']}."), ""]
     return lines
+
+
+def _http(h: dict) -> list[str]:
+    """HTTP against the engine: per ``--http-workers`` setting (runs from before the setting: one process)."""
+    runs = h.get("by_workers") or {"0": h}
+    first = next(iter(runs.values()))
+    lines = ["### Serving over HTTP", "",
+             (f"`msn-serve --device cuda` (served {first['served']['runtime']} {first['served']['precision']}, "
+              f"max batch {h['batch']}, max wait {h['max_wait_ms']:g} ms), single-image JPEG clients over "
+              f"{h['client_procs']} processes, beside the same engine offline."), "",
+             "| --http-workers | clients | images/s | p50 ms | p99 ms | server CPU ms/image |", "|---|---|---|---|---|---|"]
+    for workers, run in runs.items():
+        fe = run.get("front_end") or {}
+        label = f"{workers} ({fe['http_workers']} processes)" if workers == "auto" and fe else workers
+        for row in run["clients"]:
+            lines.append(f"| {label} | {row['concurrency']} | {row['images_per_s']:.0f} | {row['p50_ms']:.0f} | "
+                         f"{row['p99_ms']:.0f} | {row['server_cpu_ms_per_image']:.1f} |")
+    decode = h["offline_with_decode"]["images_per_s"]
+    lines += ["", (f"Offline: the engine alone {h['offline_pure_images_per_s']:,.0f} images/s; with decode and "
+                  f"preprocessing on two threads in-process {decode:.0f}.")]
+    for workers, run in runs.items():
+        lines.append(f"- `--http-workers {workers}`: HTTP at 64 clients = {run['http64_vs_offline_pure']:.2f} of the "
+                     f"engine (target 0.9), {run['http64_vs_offline_with_decode']:.2f} of decode + engine.")
+    if "by_workers" not in h:
+        lines.append("- (measured before HTTP worker processes existed: the server decoded uploads on two threads "
+                     "of one process, so a 16-core GPU host served at two cores' decode rate)")
+    return lines + [""]

@@ -1,6 +1,6 @@
 """``--http-workers``: how many HTTP processes, and starting the server with them.
 
-``auto`` decides from the engine and the cores. One process's front end serves about 600 single-image requests a
+``auto`` decides from the engine and the cores (the affinity mask, capped by a container's CPU limit). One process's front end serves about 600 single-image requests a
 second, whatever the cores (docs/serving.md, "Front end"): an engine slower than half of that leaves the front end
 idle, and HTTP processes would only take memory and the engine's cores; a faster one (a GPU, a small model on
 a CPU) is fed by one HTTP process per core (on a GPU host, one core is left to the engine process). On a CPU the
@@ -10,11 +10,13 @@ was pinned.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,22 @@ class FrontEnd:
         return out
 
 
+def cpu_budget() -> int:
+    """The CPUs this server may use: its affinity mask, capped by a cgroup CPU quota (a container's CPU limit,
+    which the affinity mask does not show: a pod limited to 8 CPUs on a 64-core node sees 64)."""
+    cores = available_cpus()
+    for path, parse in ((Path("/sys/fs/cgroup/cpu.max"), lambda t: t.split()[:2]),
+                        (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+                         lambda t: [t.strip(), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text().strip()])):
+        try:
+            quota, period = parse(path.read_text())
+            if quota not in ("max", "-1"):
+                return min(cores, max(1, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError):
+            continue
+    return cores
+
+
 def engine_rate(runtime: Runtime, seconds: float = 0.5) -> float:
     """The default model's engine images/s at the largest batch: the runtime choice's measurement, else timed."""
     model = runtime.models.default
@@ -73,7 +91,7 @@ def choose_http_workers(requested: str, runtime: Runtime, cores: int | None = No
         count = int(requested)
         return FrontEnd(count, requested, "one process serves HTTP (--http-workers 0)" if count == 0 else
                         f"--http-workers {count}")
-    cores = cores or available_cpus()
+    cores = cores or cpu_budget()
     device = runtime.models.default.embedding.engine.device
     if cores < 2:
         return FrontEnd(0, "auto", f"{cores} core: HTTP processes would share it with the engine")

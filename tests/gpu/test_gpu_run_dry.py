@@ -168,12 +168,13 @@ def test_the_gpu_run_dry_on_the_cpu(tmp_path: Path, stage: str) -> None:        
     assert all(s["exit"] == 0 for s in summary["stages"].values()), summary
     if stage == "frontend":
         frontend = json.loads((tmp_path / "frontend.json").read_text())
-        assert [(row["cores"], row["decode"]) for row in frontend["rows"]] == [(1, "1 worker processes")]
+        assert [(row["cores"], row["mode"]) for row in frontend["rows"]] == [(1, "http")]
         assert all(row["errors"] == 0 and row["images_per_s"] > 0 for row in frontend["rows"])
     elif stage == "serving":
         serving = json.loads((tmp_path / "serving.json").read_text())
         assert serving["cuda"] is False and "ort-cuda/fp16" in serving["offline"]["skipped"]
-        assert serving["http"]["clients"][-1]["errors"] == 0
+        by_workers = serving["http"]["by_workers"]
+        assert set(by_workers) == {"0", "auto"} and all(r["clients"][-1]["errors"] == 0 for r in by_workers.values())
     else:
         training = json.loads((tmp_path / "training.json").read_text())
         assert [r["implementation"] for r in training["rows"]][:2] == ["ours", "official"]

@@ -45,6 +45,10 @@ class Server:
         # graph at tight tolerances, and --precision auto's choice depends on timing (test_runtime_choice.py).
         pinned = [] if {"--precision", "--runtime"} & set(self.args) else ["--precision", "fp32",
                                                                           "--runtime", "onnxruntime"]
+        # MSN_TEST_HTTP_WORKERS=N runs every server of the suite with N HTTP worker processes (docs/serving.md).
+        workers = os.environ.get("MSN_TEST_HTTP_WORKERS")
+        if workers and "--http-workers" not in self.args:
+            pinned += ["--http-workers", workers]
         cmd = [sys.executable, *self.launcher, "--bundle", str(self.bundle), "--data-dir", str(self.data_dir),
                "--port", str(self.port), "--intra-op-threads", "1", "--max-wait-ms", "2", *pinned, *self.args]
         self._log = open(self.log_path, "ab")  # noqa: SIM115

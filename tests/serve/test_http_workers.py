@@ -1,0 +1,264 @@
+"""HTTP worker processes (``--http-workers``): real servers, the same answers as one process, and their failures.
+
+Every server here is a real ``python -m msn_serve`` with its HTTP processes; the single-process server of the same
+bundle (``server``, from conftest) is the reference the answers are compared with, bit for bit. The whole serving
+suite also runs with workers on: ``MSN_TEST_HTTP_WORKERS=2 pytest tests/serve`` (docs/serving.md).
+"""
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from serve_helpers import Server, encode, random_image
+
+from msn_serve.config import Settings
+from msn_serve.runtime import Runtime
+from msn_serve.workers.launch import choose_http_workers
+
+IMAGES = [encode(random_image(1)), encode(random_image(2, 60, 30), "JPEG", quality=90),
+          encode(np.asarray(random_image(3, 50, 50))[:, :, 0]), encode(random_image(4, 400, 300), "JPEG")]
+RAW = {"accept": "application/octet-stream"}
+
+
+@pytest.fixture(scope="module")
+def workers(bundle_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(bundle_dir, tmp_path_factory.mktemp("workers") / "data", "--http-workers", "2").start()
+    yield srv
+    srv.stop()
+
+
+def _front_end(srv: Server) -> dict:
+    return httpx.get(f"{srv.url}/readyz", timeout=10).json()["front_end"]
+
+
+def _pids(srv: Server) -> list[int]:
+    return [p["pid"] for p in _front_end(srv)["processes"]]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie child of a dead parent is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_embeddings_are_bit_identical_to_the_single_process(workers: Server, server: Server):
+    """Crops cross as uint8 and are normalised in the engine process: the same bits as the single process's
+    float32 path, masked or not, one image or several, multipart or JSON."""
+    cases = [
+        ({"files": [("image", ("a.png", IMAGES[0]))]}),
+        ({"files": [("images", (f"{i}.img", d)) for i, d in enumerate(IMAGES)]}),
+        ({"files": [("images", (f"{i}.img", d)) for i, d in enumerate(IMAGES)],
+          "data": {"mask": '{"ratio": 0.5, "seed": 3}'}}),
+        ({"files": [("images", (f"{i}.img", d)) for i, d in enumerate(IMAGES[:2])],
+          "data": {"mask": '[{"ratio": 0.25, "seed": 1}, {"keep_idx": [0, 5, 9]}]', "normalize": "true"}}),
+        ({"json": {"images": [base64.b64encode(d).decode() for d in IMAGES], "mask": {"ratio": 0.7, "seed": 2}}}),
+    ]
+    with workers.client() as w, server.client() as s:
+        for kwargs in cases:
+            a, b = w.post("/embed", headers=RAW, **kwargs), s.post("/embed", headers=RAW, **kwargs)
+            assert a.status_code == b.status_code == 200, (a.text, b.text)
+            assert a.content == b.content and a.headers["x-kept-tokens"] == b.headers["x-kept-tokens"]
+            ja, jb = w.post("/embed", **kwargs).json(), s.post("/embed", **kwargs).json()
+            assert ja == jb
+
+
+def test_every_other_route_answers_as_the_single_process(workers: Server, server: Server):
+    """Indexes, classifiers, /v1, OIP, /info and /metrics are served by the engine process's own app."""
+    img64 = base64.b64encode(IMAGES[0]).decode()
+    with workers.client() as w, server.client() as s:
+        for c in (w, s):
+            assert c.post("/index/shop", json={"type": "flat"}).status_code == 201
+            r = c.post("/index/shop/add", json={"ids": [1, 2], "images": [img64, base64.b64encode(IMAGES[1]).decode()],
+                                                "metadata": [{"n": 1}, {"n": 2}]})
+            assert r.status_code == 200, r.text
+            r = c.post("/fewshot/fit", json={"name": "clf", "labels": ["a", "b"], "images": [img64, img64]})
+            assert r.status_code == 201, r.text
+        for method, path, kwargs in [
+            ("POST", "/index/shop/search", {"json": {"images": [img64], "k": 2}}),
+            ("POST", "/fewshot/clf/predict", {"json": {"images": [img64]}}),
+            ("POST", "/v1/embeddings", {"json": {"model": "msn", "input": [f"data:image/png;base64,{img64}"]}}),
+            ("POST", "/v2/models/msn/infer", {"json": {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                                                   "data": [img64]}]}}),
+            ("GET", "/v1/models", {}), ("GET", "/index", {}), ("GET", "/fewshot/clf", {}),
+            ("GET", "/nowhere", {}), ("POST", "/index/nothere/search", {"json": {"images": [img64]}}),
+        ]:
+            a, b = w.request(method, path, **kwargs), s.request(method, path, **kwargs)
+            assert (a.status_code, a.headers["content-type"]) == (b.status_code, b.headers["content-type"]), path
+            assert _stable(a.json()) == _stable(b.json()), path
+        info = w.get("/info").json()
+        assert info["model_id"] == s.get("/info").json()["model_id"]
+        w.post("/embed", files={"image": IMAGES[0]})
+        metrics = w.get("/metrics").text
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith('msn_http_requests_total{method="POST",route="/embed",status="200"}'))
+    assert float(line.split()[-1]) >= 1  # the HTTP processes' requests are counted in the engine process's view
+    assert "msn_http_workers 2.0" in metrics
+
+
+def _raw(srv: Server, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(request)
+        return sock.recv(65536)
+
+
+def _stable(body: object) -> object:
+    """``body`` without what differs between two servers' equal answers: times."""
+    if isinstance(body, dict):
+        return {k: _stable(v) for k, v in body.items() if k not in ("created", "updated", "fit_seconds", "seconds")}
+    if isinstance(body, list):
+        return [_stable(v) for v in body]
+    return body
+
+
+def test_bad_input_gets_the_single_process_answer(workers: Server, server: Server):
+    cases = [
+        ({"files": {"image": ("x.png", b"not an image")}}, {}),
+        ({"files": {"image": ("x.png", IMAGES[0][: len(IMAGES[0]) // 2])}}, {}),
+        ({"files": {"image": IMAGES[0]}, "data": {"mask": '{"ratio": 1.5}'}}, {}),
+        ({"files": {"image": IMAGES[0]}, "data": {"model": "nope"}}, {}),
+        ({"files": {"image": IMAGES[0]}}, {"accept": "text/html"}),
+        ({"content": b"x", "headers": {"content-type": "text/plain"}}, {}),
+        ({"json": {"images": "not a list"}}, {}),
+        ({"json": {}}, {}),
+    ]
+    with workers.client() as w, server.client() as s:
+        for kwargs, headers in cases:
+            kw = {**kwargs, "headers": {**kwargs.get("headers", {}), **headers}}
+            a, b = w.post("/embed", **kw), s.post("/embed", **kw)
+            assert 400 <= a.status_code < 500 and a.status_code == b.status_code, (a.text, b.text)
+            assert a.json() == b.json()
+        head = _raw(workers, b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: 1000000000\r\n\r\n{")
+        assert head.startswith(b"HTTP/1.1 413") and b"max_body_mb" in head  # refused before the body is read
+        assert w.post("/embed", files={"image": IMAGES[0]}).status_code == 200  # still serving
+
+
+def test_connections_spread_evenly_over_the_http_processes(workers: Server):
+    before = [p["connections"] for p in _front_end(workers)["processes"]]
+    clients = [workers.client() for _ in range(10)]
+    try:
+        with ThreadPoolExecutor(10) as pool:
+            assert all(r.status_code == 200 for r in pool.map(lambda c: c.post("/embed", files={"image": IMAGES[0]}),
+                                                              clients))
+        after = [p["connections"] for p in _front_end(workers)["processes"]]
+    finally:
+        for c in clients:
+            c.close()
+    added = [a - b for a, b in zip(after, before, strict=True)]
+    assert max(added) - min(added) <= 2, added  # the readyz probes' own connections land anywhere
+
+
+def test_full_slots_answer_503_with_retry_after(bundle_dir: Path, tmp_path: Path):
+    srv = Server(bundle_dir, tmp_path / "data", "--http-workers", "1", "--http-worker-slots", "1").start()
+    try:
+        with srv.client() as c:
+            r = c.post("/embed", files=[("images", IMAGES[0]), ("images", IMAGES[1])])
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and "slots" in r.json()["error"]
+            assert c.post("/embed", files={"image": IMAGES[0]}).status_code == 200  # the one slot works
+    finally:
+        srv.stop()
+
+
+def test_a_killed_http_process_is_restarted_and_nothing_is_lost(workers: Server):
+    with workers.client() as c:
+        c.post("/embed", files={"image": IMAGES[0]})
+        counted = _embed_count(c.get("/metrics").text)
+        victim = _pids(workers)[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            procs = _front_end(workers)["processes"]
+            if procs[0]["pid"] != victim and procs[0]["live"]:
+                break
+            time.sleep(0.2)
+        assert procs[0]["restarts"] == 1 and procs[0]["pid"] != victim, procs
+        for _ in range(6):  # fresh connections reach both processes, the new one included
+            with workers.client() as fresh:
+                assert fresh.post("/embed", files={"image": IMAGES[1]}).status_code == 200
+        assert _embed_count(c.get("/metrics").text) >= counted + 6  # counters never went down
+        assert "msn_http_worker_restarts_total 1.0" in c.get("/metrics").text
+    assert workers.alive()
+
+
+def _embed_count(metrics: str) -> float:
+    return sum(float(ln.split()[-1]) for ln in metrics.splitlines()
+               if ln.startswith('msn_http_requests_total{method="POST",route="/embed"'))
+
+
+def test_sigterm_drains_and_a_killed_engine_takes_the_http_processes_down(bundle_dir: Path, tmp_path: Path):
+    srv = Server(bundle_dir, tmp_path / "data", "--http-workers", "2").start()
+    pids = _pids(srv)
+    files = [("images", (f"{i}.jpg", IMAGES[3])) for i in range(16)]
+
+    def post(_: int) -> int:
+        try:
+            with srv.client() as c:
+                return c.post("/embed", files=files).status_code
+        except httpx.TransportError:
+            return -1  # refused once the listener closed: never acknowledged
+
+    with ThreadPoolExecutor(8) as pool:
+        started = [pool.submit(post, i) for i in range(8)]
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGTERM)
+        codes = [f.result() for f in started]
+    assert srv.proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled, as one process does
+    assert all(c in (200, -1) for c in codes) and codes.count(200) >= 1, codes
+    assert all(_gone(p) for p in pids)
+
+    srv = Server(bundle_dir, tmp_path / "data2", "--http-workers", "2").start()
+    pids = _pids(srv)
+    srv.kill9()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids)
+
+
+def test_sighup_reloads_the_keys_of_every_http_process(bundle_dir: Path, tmp_path: Path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("read first-key reader\n")
+    srv = Server(bundle_dir, tmp_path / "data", "--http-workers", "2", "--api-keys-file", str(keys)).start()
+    try:
+        def status(key: str) -> set[int]:
+            codes = set()
+            for _ in range(4):  # new connections: both HTTP processes answer
+                with srv.client(headers={"authorization": f"Bearer {key}"}) as c:
+                    codes.add(c.post("/embed", files={"image": IMAGES[0]}).status_code)
+            return codes
+
+        assert status("first-key") == {200} and status("later-key") == {401}
+        st = keys.stat()
+        with open(keys, "r+") as f:  # same inode, size and mtime: only a forced reload (SIGHUP) can see it
+            f.write("read later-key reader\n")
+        os.utime(keys, ns=(st.st_atime_ns, st.st_mtime_ns))
+        srv.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert status("later-key") == {200} and status("first-key") == {401}
+    finally:
+        srv.stop()
+
+
+def test_auto_decides_from_the_engine_and_the_cores(bundle_dir: Path, tmp_path: Path):
+    runtime = Runtime(Settings(bundle=[str(bundle_dir)], data_dir=tmp_path / "data", precision="fp32",
+                               runtime="onnxruntime", intra_op_threads=1))
+    one = choose_http_workers("auto", runtime, cores=1)
+    assert one.count == 0 and "1 core" in one.reason
+    two = choose_http_workers("auto", runtime, cores=2)
+    assert two.engine_images_per_s and two.engine_images_per_s > 0
+    assert (two.count == 2) == (two.engine_images_per_s >= 300), two  # the tiny model outruns one front end
+    assert "images/s" in two.reason
+    assert choose_http_workers("3", runtime).count == 3
