@@ -180,7 +180,8 @@ HTTP_ENTRY_POINTS = {"msn_serve.cli", "msn_serve.__main__"}
 def test_only_the_entry_points_reach_msn_serve_http(graph):
     bad = violations(
         graph,
-        lambda a: inside(a, "msn_serve") and not inside(a, "msn_serve.http") and a not in HTTP_ENTRY_POINTS,
+        lambda a: (inside(a, "msn_serve") and not inside(a, "msn_serve.http") and a not in HTTP_ENTRY_POINTS
+                   and not inside(a, "msn_serve.workers")),  # the HTTP processes run http's parsing and rendering
         lambda b: inside(b, "msn_serve.http"),
     )
     assert not bad, "http validates and renders; services below it never import it:\n" + "\n".join(bad)
@@ -203,6 +204,7 @@ MSN_SERVE_ROWS = [
     ("client",),  # the Python client: HTTP only, imports nothing else of msn_serve, and nothing imports it
     ("__main__",),
     ("cli", "doctor"),  # msn-serve; msn-doctor (what this machine offers, torch only in a subprocess)
+    ("workers",),  # HTTP worker processes around the engine process: the /embed stages, the rest forwarded
     ("http",),  # validates requests, calls the services with plain arguments, renders the results
     ("runtime",),  # builds the services from the settings and the bundle, starts and stops them
     ("snapshots",),  # read-only replicas reload what the one writer published
@@ -330,7 +332,8 @@ def test_direction_rules_catch_what_they_should(tmp_path):
     ) == ["visualizer.bad -> training.model.vit  (visualizer/bad.py:1)"]
     http = violations(
         graph,
-        lambda a: inside(a, "msn_serve") and not inside(a, "msn_serve.http") and a not in HTTP_ENTRY_POINTS,
+        lambda a: (inside(a, "msn_serve") and not inside(a, "msn_serve.http") and a not in HTTP_ENTRY_POINTS
+                   and not inside(a, "msn_serve.workers")),  # the HTTP processes run http's parsing and rendering
         lambda b: inside(b, "msn_serve.http"),
     )
     assert http == ["msn_serve.runtime -> msn_serve.http.app  (msn_serve/runtime.py:1)"]

@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=max(1, min(8, len(os.sched_getaffinity(0)) // 2)))
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--skip-http", action="store_true")
-    ap.add_argument("--http-workers", nargs="+", default=["0", "auto"],
-                    help="--http-workers settings to measure HTTP with (0: one process)")
+    ap.add_argument("--http-workers", nargs="+", default=["auto", "0"],
+                    help="--http-workers settings to measure HTTP with (auto first: the figure that matters; 0: one "
+                         "process, the figure before HTTP worker processes)")
     a = ap.parse_args(argv)
     ok, why = cuda_available()
     cuda = ok if a.device == "auto" else a.device == "cuda"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.render import chaos, gpu, service_models, speed
+from benchmarks.render import chaos, front_end, gpu, service_models, speed
 from benchmarks.render.speed import faiss_lines, int8_lines
 from benchmarks.render.text import machine_line
 from benchmarks.render.vits import vits_section
@@ -166,6 +166,7 @@ def render(results: Path) -> str:
                    "held-out Fashion-MNIST images)."), ""]
         lines += vits_section(report)
     lines += speed.sections(results)
+    lines += front_end.section(results)
     lines += gpu.section(results)
     hostile = results / "serve_hostile.json"
     if hostile.exists():

@@ -135,12 +135,13 @@ def front_end(url: str) -> dict:
 
 def measure(bundle: Path, data: Path, requests: list[bytes], *, cores: set[int], mode: str, clients: int,
             seconds: float, client_procs: int, launcher: list[str] | None = None,
-            extra: tuple[str, ...] = ()) -> dict:
+            extra: tuple[str, ...] = (), src: Path | None = None) -> dict:
     """One server, pinned to ``cores``, in ``mode`` (:data:`MODES`, one decode thread/process or HTTP process a
     core), its engine the instant engine unless ``launcher`` says otherwise."""
     n = len(cores)
     args = ["--max-batch-size", "64", "--queue-size", "4096", *mode_args(mode, n), *extra]
-    proc, url = start_server(bundle, data, args, launcher=launcher or ["-m", "benchmarks.serving.instant_engine"])
+    proc, url = start_server(bundle, data, args, launcher=launcher or ["-m", "benchmarks.serving.instant_engine"],
+                             **({"src": src} if src else {}))
     port = int(url.rsplit(":", 1)[1])
     try:
         time.sleep(0.5 if mode != "threads" else 0)  # the worker processes finish starting
@@ -173,8 +174,16 @@ def main() -> None:
     ap.add_argument("--cores", default="1,2", help="server core counts to measure (the first N allowed cores)")
     ap.add_argument("--modes", default="threads,processes,http",
                     help="threads, processes (decode workers) and/or http (HTTP worker processes), one per core")
+    ap.add_argument("--src", type=Path, help="source tree whose msn_serve runs (default: this one), e.g. the code "
+                                             "before a change, in a git worktree")
+    ap.add_argument("--compare-src", type=Path, help="A/B instead: this tree against another (e.g. the code before a "
+                                                     "change, in a git worktree), in interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="--compare-src: rounds")
     ap.add_argument("--out", type=Path, default=RESULTS / "frontend_bench.json")
     a = ap.parse_args()
+    if a.compare_src:
+        compare(a)
+        return
     allowed = sorted(os.sched_getaffinity(0))
     requests = [http_load.embed_request("127.0.0.1", j) for j in jpegs(16)]
     sizes = [len(j) for j in jpegs(16)]
@@ -187,7 +196,7 @@ def main() -> None:
                 continue
             for mode in a.modes.split(","):
                 r = measure(bundle, Path(tmp) / f"data-{n}-{mode}", requests, cores=set(allowed[:n]), mode=mode,
-                            clients=a.clients, seconds=a.seconds, client_procs=a.client_procs)
+                            clients=a.clients, seconds=a.seconds, client_procs=a.client_procs, src=a.src)
                 rows.append(r)
                 print(f"[{RUNTIME}] {n} core(s), {mode}: {r['images_per_s']} images/s, "
                       f"{r['server_cpu_s']} server CPU-s for {r['requests']} -> {r['images_per_server_cpu_s']} "
@@ -201,9 +210,38 @@ def main() -> None:
     save_json(a.out, {"benchmark": "frontend_bench", "engine": ENGINE, "request": "POST /embed, one 224x224 JPEG",
                       "jpeg_bytes_mean": round(float(np.mean(sizes))), "clients": a.clients,
                       "seconds": a.seconds, "rows": rows, "scaling_2_over_1_core": scaling,
-                      "server_stack": server_stack(),
+                      "server_stack": server_stack(), "src": str(a.src) if a.src else "this tree",
                       "note": "the load generator runs on the same machine; its CPU is not counted as the server's",
                       "machine": machine()})
+
+
+def compare(a: argparse.Namespace) -> None:
+    """This tree against ``a.compare_src``, each configuration in alternating rounds (the machine's drift between
+    two runs minutes apart was larger than the difference sought)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    requests = [http_load.embed_request("127.0.0.1", j) for j in jpegs(16)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = instant_bundle(Path(tmp) / "bundle")
+        for rnd in range(a.rounds):
+            for n in [int(c) for c in a.cores.split(",") if int(c) <= len(allowed)]:
+                for mode in a.modes.split(","):
+                    for src in (None, a.compare_src):
+                        r = measure(bundle, Path(tmp) / f"data-{rnd}-{n}-{mode}-{src is None}", requests,
+                                    cores=set(allowed[:n]), mode=mode, clients=a.clients, seconds=a.seconds,
+                                    client_procs=a.client_procs, src=src)
+                        r.update(round=rnd, src=str(src) if src else "this tree")
+                        rows.append(r)
+                        print(f"round {rnd}, {r['src']}, {n} core(s), {mode}: {r['images_per_s']} images/s, "
+                              f"{r['images_per_server_cpu_s']} per server CPU-s", flush=True)
+    summary = {}
+    for key in sorted({(r["src"], r["cores"], r["mode"]) for r in rows}):
+        rates = [r["images_per_s"] for r in rows if (r["src"], r["cores"], r["mode"]) == key]
+        summary[" / ".join(map(str, key))] = {"images_per_s_mean": round(float(np.mean(rates)), 1),
+                                               "images_per_s": rates}
+    print(summary)
+    save_json(a.out, {"benchmark": "frontend_bench --compare-src", "engine": ENGINE, "clients": a.clients,
+                      "seconds": a.seconds, "rows": rows, "summary": summary, "machine": machine()})
 
 
 if __name__ == "__main__":

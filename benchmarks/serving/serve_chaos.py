@@ -163,8 +163,10 @@ def schedule(seed: int, seconds: float, kills: int, disks: int, hups: int) -> li
 
 class Soak:
     def __init__(self, bundle: Path, scratch: Path, minutes: float, seed: int, clients: int, procs: int,
-                 tmpfs_mb: int, publish_s: float, poll_s: float, keep_live: int = chaos_load.KEEP_LIVE):
+                 tmpfs_mb: int, publish_s: float, poll_s: float, keep_live: int = chaos_load.KEEP_LIVE,
+                 http_workers: str = "0"):
         self.bundle, self.scratch, self.seconds, self.seed = bundle, scratch, 60.0 * minutes, seed
+        workers = ["--http-workers", http_workers]
         self.keep_live = keep_live
         self.clients, self.procs = clients, procs
         self.mount = scratch / "mnt"
@@ -173,10 +175,11 @@ class Soak:
         self.mounted = self.disk_skipped is None
         self.data = self.mount / "data"
         self.writer = ServeProcess("writer", bundle, self.data, ["--queue-size", "1024", "--max-queued-fits", "64",
-                                                                "--publish-interval-s", str(publish_s)],
+                                                                "--publish-interval-s", str(publish_s), *workers],
                                    scratch / "writer.log")
         self.reader = ServeProcess("reader", bundle, self.data, ["--read-only", "--reload-poll-s", str(poll_s),
-                                                                "--queue-size", "1024"], scratch / "reader.log")
+                                                                "--queue-size", "1024", *workers],
+                                   scratch / "reader.log")
         self.logs = [scratch / f"acked-{p}.log" for p in range(procs)]
         self.events: list[dict] = []
         self.windows: list[tuple[str, float, float]] = []
@@ -349,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reload-poll-s", type=float, default=1.0)
     ap.add_argument("--keep-live", type=int, default=chaos_load.KEEP_LIVE,
                     help="acked adds each client keeps in the index before deleting its oldest (0: never delete)")
+    ap.add_argument("--http-workers", default="0", help="both servers' --http-workers (0: one process each)")
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)
     if a.minutes <= 0 or a.clients < 1:
@@ -360,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": m, "seed": a.seed,
            "clients": a.clients, "client_processes": a.client_procs,
            "client_nice": chaos_load.CLIENT_NICE, "keep_live": a.keep_live, "note": a.note,
+           "http_workers": a.http_workers,
            "bundle": str(a.bundle) if a.bundle else "tiny random ViT (2 blocks, 32 px, patch 4, 64-d)"}
     print(f"machine: {out['machine']['cpu']} x{out['machine']['cores_visible']}; {m:g} min, seed {a.seed}, "
           f"{kills} kills, {disks} full disks, {hups} SIGHUPs", flush=True)
@@ -367,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         bundle = a.bundle or tiny_bundle(scratch / "tiny")
         soak = Soak(bundle, scratch, m, a.seed, a.clients, a.client_procs, a.tmpfs_mb, a.publish_interval_s,
-                    a.reload_poll_s, a.keep_live)
+                    a.reload_poll_s, a.keep_live, a.http_workers)
         try:
             raw = soak.run(kills, disks, hups)
         finally:

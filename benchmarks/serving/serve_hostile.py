@@ -124,13 +124,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_hostile.json")
     ap.add_argument("--note", default="")
     ap.add_argument("--label", help="names the measured code in the table (default: the tree's git commit)")
+    ap.add_argument("--http-workers", default="0", help="the server's --http-workers (0: one process)")
     a = ap.parse_args()
     src = a.src.resolve()
     commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             check=False).stdout.strip()
     out: dict = {"machine": machine(), "src": a.label or commit or src.name, "note": a.note,
+                 "http_workers": a.http_workers,
                  "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     args = ["--intra-op-threads", "1"] + (["--max-request-pixels", "400000000"] if src == REPO else [])
+    args += ["--http-workers", a.http_workers] if a.http_workers != "0" else []
     with tempfile.TemporaryDirectory(prefix="msn-hostile-") as scratch:
         tmp = Path(scratch)
         proc, url = start_server(a.bundle or tiny_bundle(tmp / "tiny"), tmp / "data", args, src=src)
