@@ -16,10 +16,8 @@ from functools import cache
 
 from msn_core.optional import require
 
-__all__ = ["GPU_INSTALL", "CudaUnavailable", "cuda_device_count", "cuda_driver_problem", "driver_problem", "ort_cuda_problem", "ort_problem"]
+__all__ = ["CudaUnavailable", "cuda_device_count", "cuda_driver_problem", "driver_problem", "ort_cuda_problem", "ort_problem"]
 
-# The serving install that brings onnxruntime-gpu and faiss-gpu-cuvs, both CUDA 13 (pyproject.toml's `gpu` extra).
-GPU_INSTALL = "pip install 'msn[gpu]' (instead of 'msn[serve]')"
 LIBCUDA = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from msn_core.bundle import OUTPUT_NAME, check_graph_inputs, onnx_feeds
-from msn_core.gpu import GPU_INSTALL, CudaUnavailable, cuda_driver_problem, ort_cuda_problem
-from msn_core.optional import MissingDependency, require
+from msn_core.gpu import CudaUnavailable, cuda_driver_problem, ort_cuda_problem
+from msn_core.optional import GPU_INSTALL, MissingDependency, require
 
 __all__ = [
     "OPENVINO_PRECISION_HINTS",

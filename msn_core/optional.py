@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-__all__ = ["EXTRAS", "MissingDependency", "available", "install_hint", "missing", "optional", "require"]
+__all__ = ["EXTRAS", "GPU_INSTALL", "MissingDependency", "available", "install_hint", "missing", "optional", "require"]
 
 # import name -> (distribution, extras that install it: the first is the one to suggest). No extra: pip install it.
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -48,6 +48,10 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pymilvus": ("pymilvus", ("milvus",)),
     "milvus_lite": ("milvus-lite", ("milvus",)),
 }
+# The GPU builds install under the CPU builds' import names (onnxruntime, faiss), so no import name above can say
+# which one is there: the serving install that brings onnxruntime-gpu and faiss-gpu-cuvs (CUDA 13) is pyproject's
+# `gpu` extra, installed instead of `serve`.
+GPU_INSTALL = "pip install 'msn[gpu]' (instead of 'msn[serve]')"
 
 
 class MissingDependency(ImportError):

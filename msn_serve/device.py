@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from msn_core.gpu import GPU_INSTALL, CudaUnavailable, cuda_driver_problem, ort_cuda_problem
-from msn_core.optional import MissingDependency, require
+from msn_core.gpu import CudaUnavailable, cuda_driver_problem, ort_cuda_problem
+from msn_core.optional import GPU_INSTALL, MissingDependency, require
 
 __all__ = ["DeviceChoice", "DeviceUnavailable", "cuda_problems", "cuda_refusal", "resolve_device"]
 

@@ -18,12 +18,7 @@ import math
 import re
 import reprlib
 from collections.abc import Collection, Iterator
-from typing import TYPE_CHECKING, Any
-
-from msn_core.masks import MaskError, resolve_masks
-
-if TYPE_CHECKING:
-    import numpy as np
+from typing import Any
 
 # Used with fullmatch: a ``$`` anchor would also accept a trailing newline ("abc\n" became a directory).
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -156,26 +151,3 @@ def persisting(what: str) -> Iterator[None]:
     except OSError as e:
         logging.getLogger("msn_serve").error("%s: write failed (%s); rolled back", what, e)
         raise storage_error(e, what) from e
-
-
-class MaskRejected(ApiError):
-    """A mask (a ``mask`` specification or ``keep_idx`` rows) that cannot be applied: 422, or 400 under the Open
-    Inference Protocol, whose every input error is a 400. ``param`` is the request field OpenAI's error object names."""
-
-    param = "mask"
-
-
-@contextlib.contextmanager
-def rejecting_masks(status: int = 422) -> Iterator[None]:
-    """The one translation of :class:`msn_core.masks.MaskError` for clients (every route and service uses it)."""
-    try:
-        yield
-    except MaskError as e:
-        raise MaskRejected(status, str(e)) from None
-
-
-def request_keep_idx(spec: Any, count: int, grid: int, *, status: int = 422) -> list[np.ndarray]:
-    """A request's ``mask`` -> the ``keep_idx`` row of each of its ``count`` images on the model's patch ``grid``:
-    the one resolution (:func:`msn_core.masks.resolve_masks`) and error of ``/embed``, ``/v1``, OIP and the services."""
-    with rejecting_masks(status):
-        return resolve_masks(spec, count, grid)

@@ -214,7 +214,7 @@ MSN_SERVE_ROWS = [
     ("indexes",),  # named FAISS indexes, filled from embeddings
     ("embedding",),  # images in, embeddings out
     ("device",),  # cpu / cuda (refused when it cannot work) / auto, decided before anything loads
-    ("__init__", "config", "errors", "jsontext", "metrics", "work"),
+    ("__init__", "config", "errors", "jsontext", "masks", "metrics", "work"),
 ]
 
 

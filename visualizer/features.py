@@ -3,8 +3,8 @@
 The encoder is the bundle's torch trunk (``encoder.safetensors``) or its ONNX graph (``model.onnx`` under ONNX
 Runtime); either way the image goes through the bundle's own preprocessing (resize, centre crop, mean/std) and the
 bundle's feature is returned. Masks are kept-patch indices in row-major patch order (:mod:`msn_core.masks`); a
-batch may mix samples that keep different numbers of patches, padded with ``-1`` or marked by ``keep_mask``, which
-gives the same CLS as unpadded.
+batch may mix samples that keep different numbers of patches, padded with ``-1`` (:data:`msn_core.masks.PAD`, the
+convention of the bundle, the service and training), which gives the same CLS as unpadded.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from msn_core.inference import OrtGraph
 from msn_core.masks import PAD, num_kept
 from training.api import as_keep_tensor, encoder_keep_args, eval_transform, read_feature
 
-__all__ = ["FrozenEncoder", "random_keep", "to_uint8"]
+__all__ = ["FrozenEncoder", "random_keep_rows", "to_uint8"]
 
 
 def to_uint8(images: Tensor) -> Tensor:
@@ -28,28 +28,26 @@ def to_uint8(images: Tensor) -> Tensor:
     return ((images.detach().float().cpu().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
 
 
-def random_keep(batch: int, num_patches: int, ratios: Tensor | list[float],
-                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Per-sample random masks at per-sample ratios -> ``(keep_idx (B, Kmax), keep_mask (B, Kmax))``.
+def random_keep_rows(batch: int, num_patches: int, ratios: Tensor | list[float],
+                     generator: torch.Generator | None = None) -> Tensor:
+    """Per-sample random masks at per-sample ratios -> ``keep_idx`` (B, Kmax), rows keeping fewer patches padded
+    with :data:`~msn_core.masks.PAD`.
 
-    The decoder's training conditioning: drawn from a torch generator, so a resumed run continues its stream. Rows
-    keeping fewer than ``Kmax`` patches are padded with index 0 and ``keep_mask`` False.
+    The decoder's training conditioning: drawn from a torch generator, so a resumed run continues its stream.
     """
     ratios = torch.as_tensor(ratios, dtype=torch.float64).flatten().tolist()
     if len(ratios) != batch:
         raise ValueError(f"{len(ratios)} ratios for a batch of {batch}")
     keeps = [num_kept(num_patches, r) for r in ratios]
     width = max(keeps)
-    keep_idx = torch.zeros(batch, width, dtype=torch.int64)
-    keep_mask = torch.zeros(batch, width, dtype=torch.bool)
+    keep_idx = torch.full((batch, width), PAD, dtype=torch.int64)
     for row, keep in enumerate(keeps):
-        perm = torch.randperm(num_patches, generator=generator)[:keep].sort().values
-        keep_idx[row, :keep], keep_mask[row, :keep] = perm, True
-    return keep_idx, keep_mask
+        keep_idx[row, :keep] = torch.randperm(num_patches, generator=generator)[:keep].sort().values
+    return keep_idx
 
 
 class FrozenEncoder:
-    """``embed(images_uint8, keep_idx=None, keep_mask=None) -> (B, D)`` float32 features on ``device``."""
+    """``embed(images_uint8, keep_idx=None) -> (B, D)`` float32 features on ``device``."""
 
     def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu"):
         from training.api import feature_spec, load_encoder
@@ -86,14 +84,11 @@ class FrozenEncoder:
         return (view * 255).round().to(torch.uint8)
 
     @torch.no_grad()
-    def embed(self, images_uint8: Tensor, keep_idx: Tensor | np.ndarray | None = None,
-              keep_mask: Tensor | None = None) -> Tensor:
-        """``(B, D)`` features; ``keep_idx`` is ``(K,)`` for every image or ``(B, K)``, its padding ``-1`` or
-        ``keep_mask`` False; ``None`` keeps every patch."""
+    def embed(self, images_uint8: Tensor, keep_idx: Tensor | np.ndarray | None = None) -> Tensor:
+        """``(B, D)`` features; ``keep_idx`` is ``(K,)`` for every image or ``(B, K)`` padded with ``-1``; ``None``
+        keeps every patch."""
         pixels = self.preprocess(images_uint8)
         keep = as_keep_tensor(np.arange(self.num_patches) if keep_idx is None else keep_idx, pixels.shape[0]).cpu()
-        if keep_mask is not None:
-            keep = torch.where(keep_mask.cpu(), keep, PAD)
         if self.encoder is not None:
             keep = keep.to(self.device)
             _, keep_mask = encoder_keep_args(keep)
@@ -108,5 +103,4 @@ class FrozenEncoder:
         ratios = masked * (ratio_min + (ratio_max - ratio_min) * torch.rand(batch, generator=generator))
         if not bool(masked.any()):
             return self.embed(images_uint8)
-        keep_idx, keep_mask = random_keep(batch, self.num_patches, ratios, generator)
-        return self.embed(images_uint8, keep_idx, keep_mask)
+        return self.embed(images_uint8, random_keep_rows(batch, self.num_patches, ratios, generator))

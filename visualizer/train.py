@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from msn_core.masks import PAD
 from training.api import (
     DistInfo,
     Progress,
@@ -50,7 +51,7 @@ from visualizer.config import RCDMConfig, dump_config
 from visualizer.data import DecoderData, decoder_data
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
-from visualizer.features import FrozenEncoder, random_keep, to_uint8
+from visualizer.features import FrozenEncoder, random_keep_rows, to_uint8
 from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
 from visualizer.quality import measure_quality
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
@@ -80,9 +81,8 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
                       images: torch.Tensor, cfg: RCDMConfig) -> None:
     """One row per image: original (decoder size), masked encoder view, ``grid_samples`` samples."""
     generator = torch.Generator().manual_seed(cfg.run.seed)
-    keep_idx, keep_mask = random_keep(len(images), encoder.num_patches, [cfg.run.grid_mask_ratio] * len(images),
-                                      generator)
-    feat = encoder.embed(images, keep_idx, keep_mask).repeat_interleave(cfg.run.grid_samples, dim=0)
+    keep_idx = random_keep_rows(len(images), encoder.num_patches, [cfg.run.grid_mask_ratio] * len(images), generator)
+    feat = encoder.embed(images, keep_idx).repeat_interleave(cfg.run.grid_samples, dim=0)
     was_training = decoder.training
     decoder.eval()
     samples = diffusion.sample(decoder, feat, image_size=cfg.model.image_size, generator=generator)
@@ -92,7 +92,7 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
     views = encoder.model_view(images)
     rows = []
     for i in range(len(images)):
-        masked = masked_view(to_hwc(views[i]), bitmap_from_keep_idx(keep_idx[i][keep_mask[i]], encoder.grid))
+        masked = masked_view(to_hwc(views[i]), bitmap_from_keep_idx(keep_idx[i][keep_idx[i] != PAD], encoder.grid))
         row_samples = samples[i * cfg.run.grid_samples:(i + 1) * cfg.run.grid_samples]
         rows.append([to_hwc(originals[i]), masked] + [to_hwc(s) for s in row_samples])
     save_grid(rows, path, cell=max(64, cfg.model.image_size))

@@ -24,7 +24,8 @@ from msn_serve.embedding.batcher import Batcher
 from msn_serve.embedding.decode_pool import DecodePool
 from msn_serve.embedding.engine import InferenceEngine
 from msn_serve.embedding.preprocess import PixelBudget
-from msn_serve.errors import ApiError, request_keep_idx, too_large, unprocessable
+from msn_serve.errors import ApiError, too_large, unprocessable
+from msn_serve.masks import request_keep_idx
 from msn_serve.metrics import Metrics
 
 log = logging.getLogger("msn_serve")

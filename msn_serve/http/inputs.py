@@ -122,9 +122,9 @@ def json_payload(body: bytes, max_images: int) -> Payload:
     return out
 
 
-async def read_request(request: Request, model: type[M], settings: Settings, grid: int | None) -> M:
-    """Read the body (multipart or JSON) and the model's query parameters into a validated ``model`` (its mask
-    resolved on the model's patch ``grid``); a large body is parsed and validated off the event loop."""
+async def read_request(request: Request, model: type[M], settings: Settings) -> M:
+    """Read the body (multipart or JSON) and the model's query parameters into a validated ``model``; a large body is
+    parsed and validated off the event loop. Its mask is resolved later, on the grid of the model that embeds."""
     raw, size = await read_payload(request, max_images=settings.max_images_per_request,
                                    max_body=settings.max_body_bytes)
     query = {key: request.query_params[key] for key in model.QUERY if key in request.query_params}
@@ -134,6 +134,6 @@ async def read_request(request: Request, model: type[M], settings: Settings, gri
         fields = payload.fields
         for key, value in query.items():  # ?k=10 works like a body field; the body wins when both are given
             fields.setdefault(key, value)
-        return model.from_fields(fields, settings, multipart=payload.multipart, images=payload.images, grid=grid)
+        return model.from_fields(fields, settings, multipart=payload.multipart, images=payload.images)
 
     return await off_loop(size, parse)

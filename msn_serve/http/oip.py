@@ -19,11 +19,12 @@ from fastapi import APIRouter, Request, Response
 from msn_core.bundle import BundleInfo
 from msn_core.masks import PAD, check_keep
 from msn_serve.embedding.models import ServedModel
-from msn_serve.errors import ApiError, bad_request, not_found, rejecting_masks, request_keep_idx
+from msn_serve.errors import ApiError, bad_request, not_found
 from msn_serve.http.inputs import off_loop
 from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
 from msn_serve.http.schemas import inline_schema
 from msn_serve.jsontext import dumps, loads
+from msn_serve.masks import rejecting_masks, request_keep_idx
 from msn_serve.runtime import Runtime
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])

@@ -30,12 +30,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from msn_serve.embedding.models import MSN_ALIAS, ServedModel
-from msn_serve.errors import ApiError, request_keep_idx
+from msn_serve.errors import ApiError
 from msn_serve.http.fields import MASK_DOC
 from msn_serve.http.inputs import off_loop
 from msn_serve.http.responses import StrictJSONResponse
 from msn_serve.http.url_fetch import fetch_image
 from msn_serve.jsontext import loads
+from msn_serve.masks import request_keep_idx
 from msn_serve.runtime import Runtime
 
 PREFIX = "/v1/"

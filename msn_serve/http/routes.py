@@ -57,7 +57,7 @@ async def _read(request: Request, model: type[M], *, writes: bool = False) -> M:
     rt = _rt(request)
     if writes:
         rt.require_writer()
-    return await read_request(request, model, rt.settings, None)
+    return await read_request(request, model, rt.settings)
 
 
 def _json_bytes(body: bytes) -> Response:

@@ -28,7 +28,7 @@ from pydantic import (
 
 from msn_serve.config import Settings
 from msn_serve.embedding.service import Inputs
-from msn_serve.errors import NAME_RE, ApiError, brief, request_keep_idx, unprocessable
+from msn_serve.errors import NAME_RE, ApiError, brief, unprocessable
 from msn_serve.http.fields import (
     IDS_SCHEMA,
     Ids,
@@ -44,6 +44,7 @@ from msn_serve.http.fields import (
 )
 from msn_serve.indexes.metadata import Texts
 from msn_serve.jsontext import loads
+from msn_serve.masks import request_keep_idx
 
 
 class RequestModel(BaseModel):
@@ -74,9 +75,9 @@ class RequestModel(BaseModel):
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any], settings: Settings, *, multipart: bool = False,
-                    images: list[tuple[str, bytes]] | None = None, grid: int | None = None):
-        """Validate ``fields`` (multipart text converted first); a 422 names every wrong field. With images and
-        the model's patch ``grid``, the ``mask`` is resolved to their ``keep_idx`` rows (422 when it is wrong)."""
+                    images: list[tuple[str, bytes]] | None = None):
+        """Validate ``fields`` (multipart text converted first); a 422 names every wrong field. The ``mask`` is
+        resolved later (:meth:`resolve_masks`), on the grid of the model that embeds the images."""
         if images and not cls.IMAGES:
             raise unprocessable("this endpoint takes no images")
         if multipart:
@@ -86,8 +87,6 @@ class RequestModel(BaseModel):
         except ValidationError as e:
             raise validation_error(e) from None
         req._images = list(images or [])
-        if grid is not None:
-            req.resolve_masks(grid)
         return req
 
     def resolve_masks(self, grid: int) -> None:

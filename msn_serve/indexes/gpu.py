@@ -13,7 +13,8 @@ import threading
 
 import faiss
 
-from msn_core.gpu import GPU_INSTALL, CudaUnavailable
+from msn_core.gpu import CudaUnavailable
+from msn_core.optional import GPU_INSTALL
 from msn_serve.indexes.config import IndexConfig
 
 log = logging.getLogger("msn_serve.indexes.gpu")

@@ -58,7 +58,7 @@ class EmbedStages:
 
     async def respond(self, request: Request) -> Response:
         media = negotiate(request.headers.get("accept"))  # a 406 before any work
-        req = await read_request(request, EmbedRequest, self.settings, None)
+        req = await read_request(request, EmbedRequest, self.settings)
         if self.link.catalog is None:
             raise ApiError(503, "service is starting", headers={"Retry-After": "1"})
         info = self.link.catalog.get(req.model)

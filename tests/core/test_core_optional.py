@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from msn_core.optional import EXTRAS, MissingDependency, available, install_hint, missing, optional, require
+from msn_core.optional import EXTRAS, GPU_INSTALL, MissingDependency, available, install_hint, missing, optional, require
 
 REPO = Path(__file__).resolve().parents[2]
 # Where code may catch ImportError itself: the registry alone.
@@ -44,6 +44,13 @@ def test_every_extra_named_installs_the_library():
                 found = extras[extra] & {distribution, distribution.replace("-cpu", "-gpu-cuvs"),
                                          distribution.replace("onnxruntime", "onnxruntime-gpu")}
                 assert found, f"{module}: msn[{extra}] does not install {distribution}"
+
+
+def test_the_gpu_install_names_the_extras_that_swap_the_builds():
+    """GPU_INSTALL (msn_core.optional, the one table of install hints) is pyproject's gpu extra instead of serve."""
+    extras = _extras()
+    gpu, cpu = re.findall(r"msn\[(\w+)\]", GPU_INSTALL)
+    assert {"onnxruntime-gpu", "faiss-gpu-cuvs"} <= extras[gpu] and {"onnxruntime", "faiss-cpu"} <= extras[cpu]
 
 
 def test_the_hint_names_the_extra_or_the_package():

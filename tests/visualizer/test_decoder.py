@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from msn_core.masks import PAD
 from tests.visualizer.conftest import tiny_config
 from visualizer.config import ConfigError, load_config
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
-from visualizer.features import FrozenEncoder, random_keep
+from visualizer.features import FrozenEncoder, random_keep_rows
 
 
 def _decoder(*extra: str) -> tuple[RCDMDecoder, Diffusion]:
@@ -99,10 +100,10 @@ def test_ddim_rederives_epsilon_from_the_clipped_x0_as_adm() -> None:
 
 def test_frozen_encoder_onnx_matches_torch_with_padded_masks(tiny_bundle) -> None:
     images = torch.randint(0, 256, (3, 3, 40, 48), dtype=torch.uint8)
-    keep_idx, keep_mask = random_keep(3, 64, [0.0, 0.5, 0.9], torch.Generator().manual_seed(0))
-    assert keep_mask.sum(1).tolist() == [64, 32, 6]
+    keep_idx = random_keep_rows(3, 64, [0.0, 0.5, 0.9], torch.Generator().manual_seed(0))
+    assert (keep_idx != PAD).sum(1).tolist() == [64, 32, 6] and (keep_idx[:, 6:][2] == PAD).all()
     torch_enc, onnx_enc = FrozenEncoder(tiny_bundle, backend="torch"), FrozenEncoder(tiny_bundle, backend="onnx")
-    got, want = onnx_enc.embed(images, keep_idx, keep_mask), torch_enc.embed(images, keep_idx, keep_mask)
+    got, want = onnx_enc.embed(images, keep_idx), torch_enc.embed(images, keep_idx)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # padding does not change a row's feature
     row = torch_enc.embed(images[2:], keep_idx[2:, :6])
