@@ -26,16 +26,17 @@ MAX_HEADER_BYTES = 64 * 1024
 HTTP_IMPLEMENTATIONS = ("auto", "httptools", "h11")
 
 
-def _json_response(status: str, message: str, extra: str = "") -> bytes:
+def json_response(status: str, message: str, extra: str = "") -> bytes:
+    """A whole HTTP/1.1 answer with a JSON error body that closes the connection (sent before any parsing)."""
     body = json.dumps({"error": message}).encode()
     head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{extra}"
             f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
 
-BUSY = _json_response("503 Service Unavailable", "too many open connections (max_connections); retry later",
+BUSY = json_response("503 Service Unavailable", "too many open connections (max_connections); retry later",
                       "retry-after: 1\r\n")
-HEADERS_TOO_LARGE = _json_response("431 Request Header Fields Too Large",
+HEADERS_TOO_LARGE = json_response("431 Request Header Fields Too Large",
                                    f"request headers over {MAX_HEADER_BYTES} bytes")
 
 

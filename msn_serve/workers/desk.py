@@ -3,8 +3,8 @@
 An embed call names ring slots; each slot's uint8 crop and kept indices go to the named model's batcher as views
 into the shared mapping (nothing is copied until the batch is packed and normalised), and the embeddings go back in
 the reply. The model is looked up and held (:meth:`ServedModel.use`) here, in the process that owns it, so a model
-replaced while the crop was being prepared is answered by the model served now, or, if its crop size or patch grid
-changed, with a 503 to retry. Request records and closed-connection counts from the HTTP process are applied here.
+replaced while the crop was being prepared is answered by the model served now when it prepares crops alike, and
+otherwise sends the HTTP process back to prepare them again (:data:`~msn_serve.workers.wire.STALE`). Request records and closed-connection counts from the HTTP process are applied here.
 """
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import json
 import logging
 from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 from msn_serve.errors import ApiError
 from msn_serve.runtime import Runtime
@@ -89,18 +87,9 @@ class EngineDesk:
         model = self.runtime.models.get(call.model)
         with model.use():
             info = model.info
-            items: list[tuple[np.ndarray, np.ndarray]] = []
-            for ref in call.images:
-                if (ref.height, ref.width, ref.channels) != (info.image_size, info.image_size, info.in_chans):
-                    raise _changed(model.name)
-                keep = self.ring.keep(ref.slot, ref.kept)
-                if ref.kept and (int(keep.min()) < 0 or int(keep.max()) >= info.num_patches):
-                    raise _changed(model.name)
-                items.append((self.ring.crop(ref.slot, ref.height, ref.width, ref.channels), keep))
+            if wire.preparation(info) != call.prepared_for:  # replaced meanwhile: the catalog went out before this
+                return wire.Reply(call.request, wire.STALE)
+            items = [(self.ring.crop(r.slot, r.height, r.width, r.channels), self.ring.keep(r.slot, r.kept))
+                     for r in call.images]
             emb = await model.embedding.embed_items(items, status=422)
         return wire.Reply(call.request, 200, info.model_id, emb)
-
-
-def _changed(name: str) -> ApiError:
-    return ApiError(503, f"model {name!r} was replaced by one of another input size while this request was "
-                         "prepared; retry", headers={"Retry-After": "1"})

@@ -86,7 +86,8 @@ class EngineLink:
             self._pending.clear()
             self.on_lost()
 
-    async def embed(self, model: str | None, crops: list[np.ndarray], keeps: list[np.ndarray]) -> wire.Reply:
+    async def embed(self, model: str | None, prepared_for: str, crops: list[np.ndarray],
+                    keeps: list[np.ndarray]) -> wire.Reply:
         """Write the crops and their kept indices into free slots and wait for the engine's reply."""
         if self.lost:
             raise ApiError(503, "the engine process is gone; retry", headers={"Retry-After": "1"})
@@ -102,7 +103,7 @@ class EngineLink:
         request = next(self._ids) & 0xFFFFFFFF
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending[request] = (future, slots)
-        self.writer.write(wire.embed_message(wire.EmbedCall(request, model, refs)))
+        self.writer.write(wire.embed_message(wire.EmbedCall(request, model, refs, prepared_for)))
         return await asyncio.shield(future)  # a cancelled request keeps its slots until the reply frees them
 
     # ---- what the engine process keeps for this one (metrics, connection counts) --------------------------------

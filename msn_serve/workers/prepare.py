@@ -26,6 +26,7 @@ from msn_serve.errors import ApiError, unprocessable
 from msn_serve.http.embed_response import embed_response, negotiate
 from msn_serve.http.inputs import read_request
 from msn_serve.http.schemas import EmbedRequest
+from msn_serve.workers import wire
 from msn_serve.workers.link import EngineLink
 
 log = logging.getLogger("msn_serve")
@@ -59,14 +60,20 @@ class EmbedStages:
     async def respond(self, request: Request) -> Response:
         media = negotiate(request.headers.get("accept"))  # a 406 before any work
         req = await read_request(request, EmbedRequest, self.settings)
-        if self.link.catalog is None:
-            raise ApiError(503, "service is starting", headers={"Retry-After": "1"})
-        info = self.link.catalog.get(req.model)
-        req.resolve_masks(info.grid)
-        if not req.images:
-            raise unprocessable("no image: send files as 'image'/'images' (multipart) or base64 in JSON")
-        crops = await self.prepare(req.images, info.preprocessing)
-        reply = await self.link.embed(req.model, crops, req.keep_idx)
+        for _ in range(2):  # a model replaced meanwhile: prepare again for the one served now, once
+            if self.link.catalog is None:
+                raise ApiError(503, "service is starting", headers={"Retry-After": "1"})
+            info = self.link.catalog.get(req.model)
+            req.resolve_masks(info.grid)
+            if not req.images:
+                raise unprocessable("no image: send files as 'image'/'images' (multipart) or base64 in JSON")
+            crops = await self.prepare(req.images, info.preprocessing)
+            reply = await self.link.embed(req.model, wire.preparation(info), crops, req.keep_idx)
+            if reply.status != wire.STALE:
+                break
+        if reply.status == wire.STALE:
+            raise ApiError(503, "the model was replaced twice while this request was prepared; retry",
+                           headers={"Retry-After": "1"})
         if reply.status != 200:
             error = dict(reply.error or {})
             headers = error.pop("headers", None) or None

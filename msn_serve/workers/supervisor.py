@@ -24,6 +24,7 @@ from typing import Any
 
 import uvicorn
 
+from msn_serve.http.server import json_response
 from msn_serve.runtime import Runtime
 from msn_serve.workers.desk import EngineDesk
 from msn_serve.workers.http_process import ENV
@@ -33,6 +34,8 @@ log = logging.getLogger("msn_serve.workers")
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits before restarting a process that died, by deaths in a row
 HEALTHY_AFTER_S = 30.0  # a process alive this long resets its back-off
 DRAIN_S = 15.0  # how long SIGTERM waits for the HTTP processes to finish their requests
+NO_HTTP_PROCESS = json_response("503 Service Unavailable", "no HTTP process is running (restarting); retry",
+                                "retry-after: 1\r\n")
 
 
 @dataclass
@@ -142,7 +145,8 @@ class HttpWorkers:
 
     # ---- connections ---------------------------------------------------------------------------------------------
     def hand_over(self, conn: socket.socket) -> None:
-        """Give an accepted connection to the live process with the fewest open connections (or drop it)."""
+        """Give an accepted connection to the live process with the fewest open connections; with none alive (all
+        restarting), answer 503 + ``Retry-After`` and close it."""
         live = sorted((w for w in self.workers if w.live), key=lambda w: (w.open_connections, w.connections))
         for w in live:
             try:
@@ -152,6 +156,12 @@ class HttpWorkers:
             w.open_connections += 1
             w.connections += 1
             break
+        else:
+            try:
+                conn.setblocking(False)
+                conn.send(NO_HTTP_PROCESS)
+            except OSError:
+                pass
         conn.close()
 
     def describe(self) -> list[dict[str, Any]]:

@@ -2,9 +2,11 @@
 
 Pixels never travel here: an embed request names the ring slots its crops wait in (:mod:`msn_serve.workers.ring`).
 
-- ``E`` (HTTP -> engine) embed: request id, model name, and per image its slot, crop shape and kept-patch count.
-- ``R`` (engine -> HTTP) the answer: status 200 with the model id and the float32 embeddings, or an error status
-  with its JSON body (``{"error", "headers"}``); the slots of the request are free again once it arrives.
+- ``E`` (HTTP -> engine) embed: request id, model name, what the crops were prepared for (:func:`preparation`), and
+  per image its slot, crop shape and kept-patch count.
+- ``R`` (engine -> HTTP) the answer: status 200 with the model id and the float32 embeddings, :data:`STALE` when
+  the model was replaced by one that prepares crops otherwise (prepare again from the new catalog), or an error
+  status with its JSON body (``{"error", "headers"}``); the slots of the request are free again once it arrives.
 - ``C`` (engine -> HTTP) the catalog of models served (each model's ``msn.json``, and the default's name): sent on
   connection and after every model change.
 - ``M`` (HTTP -> engine) request records (route, method, status, seconds) and error counts, for the one
@@ -21,11 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from msn_core.bundle import BundleInfo
+
 _LEN = struct.Struct("<I")
-_EMBED = struct.Struct("<IHH")  # request id, image count, model name length
+_EMBED = struct.Struct("<IHHH")  # request id, image count, model name length, preparation length
 _IMAGE = struct.Struct("<IHHBH")  # slot, height, width, channels, kept patches
 _REPLY = struct.Struct("<IHHHH")  # request id, status, count, dim, model id length
 MAX_MESSAGE = 64 << 20
+STALE = 1  # reply status: the crops were prepared for another model than the one served now under that name
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,14 @@ class EmbedCall:
     request: int
     model: str | None  # None: the default model
     images: list[ImageRef]
+    prepared_for: str = ""  # preparation(info) of the model the crops and masks were made for
+
+
+def preparation(info: BundleInfo) -> str:
+    """What a crop and its kept indices depend on (normalisation is the engine's own): equal for two models means
+    crops prepared for one are right for the other."""
+    p = info.preprocessing
+    return f"{p.resize}/{p.crop}/{p.channels}/{p.interpolation}/{info.grid}"
 
 
 @dataclass(frozen=True)
@@ -67,19 +80,20 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 
 def embed_message(call: EmbedCall) -> bytes:
-    name = (call.model or "").encode()
-    parts = [_EMBED.pack(call.request, len(call.images), len(name)), name]
+    name, prepared = (call.model or "").encode(), call.prepared_for.encode()
+    parts = [_EMBED.pack(call.request, len(call.images), len(name), len(prepared)), name, prepared]
     parts += [_IMAGE.pack(i.slot, i.height, i.width, i.channels, i.kept) for i in call.images]
     return frame(b"E", b"".join(parts))
 
 
 def parse_embed(payload: bytes) -> EmbedCall:
-    request, count, name_len = _EMBED.unpack_from(payload)
+    request, count, name_len, prepared_len = _EMBED.unpack_from(payload)
     at = _EMBED.size
     name = payload[at: at + name_len].decode()
-    at += name_len
+    prepared = payload[at + name_len: at + name_len + prepared_len].decode()
+    at += name_len + prepared_len
     images = [ImageRef(*_IMAGE.unpack_from(payload, at + i * _IMAGE.size)) for i in range(count)]
-    return EmbedCall(request, name or None, images)
+    return EmbedCall(request, name or None, images, prepared)
 
 
 def reply_message(reply: Reply) -> bytes:

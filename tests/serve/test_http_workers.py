@@ -262,3 +262,44 @@ def test_auto_decides_from_the_engine_and_the_cores(bundle_dir: Path, tmp_path: 
     assert (two.count == 2) == (two.engine_images_per_s >= 300), two  # the tiny model outruns one front end
     assert "images/s" in two.reason
     assert choose_http_workers("3", runtime).count == 3
+
+
+def test_crops_prepared_for_a_replaced_model_are_sent_back_to_prepare_again(bundle_dir: Path, tmp_path: Path):
+    """The engine stage answers STALE when the model under a name now prepares crops otherwise (another grid or
+    crop), and embeds when the preparation still holds: the engine process's own desk, ring and runtime."""
+    import asyncio
+
+    from msn_serve.workers import wire
+    from msn_serve.workers.desk import EngineDesk
+    from msn_serve.workers.ring import CropRing
+
+    runtime = Runtime(Settings(bundle=[str(bundle_dir)], data_dir=tmp_path / "data", precision="fp32",
+                               runtime="onnxruntime", intra_op_threads=1))
+    info = runtime.models.default.info
+    ring = CropRing.create(2)
+    ring.write(0, np.zeros((info.image_size, info.image_size, 3), np.uint8), np.arange(info.num_patches))
+
+    async def call(prepared_for: str) -> wire.Reply:
+        await runtime.start()
+        await asyncio.sleep(0.5)  # warm-up
+        here, there = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=here)
+        desk = EngineDesk(runtime, ring, reader, writer, on_closed=lambda n: None)
+        served = asyncio.get_running_loop().create_task(desk.serve())
+        w_reader, w_writer = await asyncio.open_connection(sock=there)
+        ref = wire.ImageRef(0, info.image_size, info.image_size, 3, info.num_patches)
+        w_writer.write(wire.embed_message(wire.EmbedCall(7, None, [ref], prepared_for)))
+        replies = []
+        while not replies:
+            kind, payload = await wire.read_message(w_reader)
+            if kind == b"R":
+                replies.append(wire.parse_reply(payload))
+        w_writer.close()
+        await served
+        await runtime.stop()
+        return replies[0]
+
+    stale = asyncio.run(call("36/32/3/bicubic/4"))
+    assert (stale.request, stale.status) == (7, wire.STALE)
+    fresh = asyncio.run(call(wire.preparation(info)))
+    assert fresh.status == 200 and fresh.embeddings.shape == (1, info.embed_dim) and fresh.model_id == info.model_id
