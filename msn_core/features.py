@@ -82,3 +82,32 @@ def feature_dim(name: str, *, embed_dim: int, depth: int, grid: int) -> int:
     if spec.kind == "cls_patch_tokens":
         return (grid * grid + 1) * embed_dim
     return spec.n * spec.n * embed_dim
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """Where things are in a feature vector: ``global_dim`` values first (CLS parts; 0 for none), then a
+    ``side x side`` map of ``token_dim``-wide places, row-major, each place's values together (``side`` 0: no map).
+    A decoder reads the map as an image-shaped input instead of one flat vector."""
+
+    global_dim: int
+    side: int
+    token_dim: int
+
+    @property
+    def map_dim(self) -> int:
+        return self.side * self.side * self.token_dim
+
+
+def feature_layout(name: str, *, embed_dim: int, depth: int, grid: int) -> FeatureLayout:
+    """The :class:`FeatureLayout` of feature ``name`` for an encoder of width ``embed_dim``."""
+    spec = check_feature(name, depth=depth, grid=grid)
+    if spec.kind == "cls":
+        return FeatureLayout(embed_dim, 0, 0)
+    if spec.kind == "cls_last":
+        return FeatureLayout(spec.n * embed_dim, 0, 0)
+    if spec.kind == "patch_tokens":
+        return FeatureLayout(0, grid, embed_dim)
+    if spec.kind == "cls_patch_tokens":
+        return FeatureLayout(embed_dim, grid, embed_dim)
+    return FeatureLayout(0, spec.n, embed_dim)

@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--mask-seed", type=int, default=0, help='with --mask-ratio: the mask {"ratio": R, "seed": S}')
     sample.add_argument("--num-samples", type=int, default=8)
     sample.add_argument("--steps", type=int, help="sampling steps (default: the decoder config's)")
-    sample.add_argument("--sampler", choices=("ddim", "ddpm"))
+    sample.add_argument("--sampler", choices=("ddim", "ddpm", "dpmpp"))
     sample.add_argument("--guidance-scale", type=float,
                         help="classifier-free guidance; other than 1 only for a decoder trained with condition dropout")
     sample.add_argument("--seed", type=int, default=0)

@@ -34,6 +34,11 @@ class ModelConfig:
     dropout: float = 0.0
     learn_sigma: bool = False  # RCDM: predict the variance too (6 output channels) and train the hybrid loss
     cond_norm: bool = True  # LayerNorm (no affine) on the MSN feature before the projection
+    # A spatial feature's token map (CLS + patch tokens, msn_core.features.FeatureLayout) enters where it belongs:
+    # projected to this many channels per place, upsampled to the image and given to the UNet beside x_t (0: the
+    # whole feature is one flat vector, RCDM's way).
+    map_channels: int = 0
+    global_mlp: bool = False  # the global path (CLS) through Linear-SiLU-Linear instead of one Linear
 
 
 @dataclass
@@ -43,8 +48,11 @@ class DiffusionConfig:
     vb_weight: float = 1.0  # weight of the variational-bound term of the hybrid loss (learn_sigma only)
     # >0 trains a null embedding for classifier-free guidance; a decoder trained with 0 samples at guidance 1 only
     cond_drop_prob: float = 0.0
-    sampler: str = "ddim"  # ddim (eta 0) | ddpm (ancestral, uses the learned variance)
+    sampler: str = "ddim"  # ddim (eta 0) | ddpm (ancestral, uses the learned variance) | dpmpp (DPM-Solver++ 2M)
     sample_steps: int = 50
+    prediction: str = "epsilon"  # epsilon | v (v-prediction: the target stays informative at low SNR)
+    # Min-SNR-gamma loss weighting (Hang et al. 2023): caps the weight of the easy low-noise draws; 0 = uniform
+    min_snr_gamma: float = 0.0
     guidance_scale: float = 1.0  # 1 = plain conditional sampling
 
 
@@ -81,6 +89,9 @@ class OptimConfig:
     # Wall-clock cap of one invocation, in minutes (None: none). The learning rate is constant after warm-up, so
     # stopping early leaves a usable (less trained) decoder, and --resume continues towards max_steps.
     max_minutes: float | None = None
+    # constant after warm-up, or cosine to 0 at max_steps or at max_minutes, whichever comes first (the decay then
+    # ends with the time cap; a resumed run restarts the decay over its own minutes)
+    lr_schedule: str = "constant"
     ema_decay: float = 0.999
     clip_grad: float = 1.0
 
@@ -139,8 +150,16 @@ def validate(cfg: RCDMConfig) -> None:
         raise ConfigError(f"model.block_out_channels must be multiples of norm_num_groups={m.norm_num_groups}")
     if d.beta_schedule not in ("linear", "squaredcos_cap_v2"):
         raise ConfigError(f"diffusion.beta_schedule={d.beta_schedule!r}: expected linear or squaredcos_cap_v2")
-    if d.sampler not in ("ddim", "ddpm"):
-        raise ConfigError(f"diffusion.sampler={d.sampler!r}: expected ddim or ddpm")
+    if d.sampler not in ("ddim", "ddpm", "dpmpp"):
+        raise ConfigError(f"diffusion.sampler={d.sampler!r}: expected ddim, ddpm or dpmpp")
+    if d.prediction not in ("epsilon", "v"):
+        raise ConfigError(f"diffusion.prediction={d.prediction!r}: expected epsilon or v")
+    if d.prediction == "v" and m.learn_sigma:
+        raise ConfigError("diffusion.prediction=v with model.learn_sigma: the hybrid loss is written for epsilon")
+    if d.min_snr_gamma < 0 or m.map_channels < 0:
+        raise ConfigError("diffusion.min_snr_gamma and model.map_channels must be >= 0")
+    if cfg.optim.lr_schedule not in ("constant", "cosine"):
+        raise ConfigError(f"optim.lr_schedule={cfg.optim.lr_schedule!r}: expected constant or cosine")
     if not 1 <= d.sample_steps <= d.num_train_timesteps:
         raise ConfigError(f"diffusion.sample_steps must be in [1, {d.num_train_timesteps}]")
     if not 0.0 <= d.cond_drop_prob < 1.0:

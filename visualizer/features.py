@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from msn_core.features import feature_layout
 from msn_core.inference import OrtGraph
 from msn_core.masks import PAD, num_kept
 from training.api import as_keep_tensor, encoder_keep_args, eval_transform, read_feature
@@ -60,6 +61,8 @@ class FrozenEncoder:
         self.transform = {"resize": prep.resize, "crop": prep.crop, "mean": list(prep.mean), "std": list(prep.std)}
         self.patch_size, self.grid = self.info.patch_size, self.info.grid
         self.num_patches, self.dim = self.info.num_patches, self.info.embed_dim  # the bundle's feature width
+        arch = self.info.architecture
+        self.layout = feature_layout(self.feature, embed_dim=arch.embed_dim, depth=arch.depth, grid=arch.grid)
         self.encoder = self.graph = None
         if backend == "torch":
             self.encoder = encoder.to(self.device).eval().requires_grad_(False)

@@ -103,7 +103,7 @@ class RCDMPipeline:
                         decoder, trained_on, encoder.model_id)
         if int(state["cond_dim"]) != encoder.dim:
             raise ValueError(f"decoder expects {state['cond_dim']}-d features; the bundle gives {encoder.dim}-d")
-        net = RCDMDecoder(cfg.model, encoder.dim)
+        net = RCDMDecoder(cfg.model, encoder.dim, encoder.layout)
         net.load_state_dict(state["ema"])
         net.to(device).eval().requires_grad_(False)
         diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)

@@ -56,7 +56,7 @@ from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
 from visualizer.quality import measure_quality
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
-__all__ = ["decoder_targets", "train"]
+__all__ = ["decoder_targets", "learning_rate", "train"]
 
 log = logging.getLogger("msn.visualize")
 
@@ -98,6 +98,19 @@ def write_sample_grid(path: Path, decoder: nn.Module, diffusion: Diffusion, enco
     save_grid(rows, path, cell=max(64, cfg.model.image_size))
 
 
+def learning_rate(cfg: RCDMConfig, step: int, elapsed_s: float) -> float:
+    """Linear warm-up, then constant or a cosine to 0 at ``max_steps`` or at ``max_minutes`` of this invocation,
+    whichever comes first (``optim.lr_schedule``): a run cut by its time cap still ends with a small rate."""
+    o = cfg.optim
+    warm = min(1.0, (step + 1) / max(1, o.warmup_steps))
+    if o.lr_schedule == "constant":
+        return o.lr * warm
+    done = step / max(1, o.max_steps)
+    if o.max_minutes:
+        done = max(done, elapsed_s / (60.0 * o.max_minutes))
+    return o.lr * warm * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
+
+
 def out_of_time(deadline: float, device: torch.device, world_size: int) -> bool:
     """Whether ``deadline`` (``time.monotonic``) has passed, agreed by every rank so that all stop at one step."""
     if deadline == math.inf:
@@ -133,7 +146,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                                    pin_memory=device.type == "cuda")
     steps_per_epoch = len(loader)
 
-    decoder = RCDMDecoder(cfg.model, encoder.dim).to(device)
+    decoder = RCDMDecoder(cfg.model, encoder.dim, encoder.layout).to(device)
     ema = copy.deepcopy(decoder).requires_grad_(False)
     diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
     optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
@@ -182,7 +195,8 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
 
     record: dict = {"step": progress.step}  # returned as is when a resumed run has nothing left to do
     batches = batches_from(loader, sampler, progress, cfg.data.batch_size)
-    deadline = time.monotonic() + 60 * cfg.optim.max_minutes if cfg.optim.max_minutes else math.inf
+    started = time.monotonic()
+    deadline = started + 60 * cfg.optim.max_minutes if cfg.optim.max_minutes else math.inf
     window_seconds, window_images = 0.0, 0  # step time only (no grids, no checkpoints): images/s in metrics.jsonl
     while progress.step < total:
         tick = time.perf_counter()
@@ -197,7 +211,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
         if cfg.diffusion.cond_drop_prob > 0:
             drop = (torch.rand(images.shape[0]) < cfg.diffusion.cond_drop_prob).to(device)
         step = progress.step
-        lr = cfg.optim.lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+        lr = learning_rate(cfg, step, time.monotonic() - started)
         for group in optimizer.param_groups:
             group["lr"] = lr
         with autocast():

@@ -176,6 +176,13 @@ def render(results: Path) -> str:
         lines += ["## Hostile and heavy requests", "", usage, ""]
         lines += hostile_section(json.loads(hostile.read_text()),
                                  json.loads(before.read_text()) if before.exists() else None)
+        workers = results / "serve_hostile-workers.json"
+        if workers.exists():
+            lines += ["### With HTTP worker processes", "",
+                      ("`python -m benchmarks.serving.serve_hostile --http-workers 2 --out "
+                       "benchmarks/results/serve_hostile-workers.json`: the same requests to a server with two HTTP "
+                       "processes (memory and CPU summed over the engine process and its HTTP processes)."), ""]
+            lines += hostile_section(json.loads(workers.read_text()), None)
     soak = results / "serve_soak.json"
     if soak.exists() and not json.loads(soak.read_text()).get("quick"):
         usage = ("`python -m benchmarks.serving.serve_soak --clients 64 --duration 300`: mixed /embed, search, add and "

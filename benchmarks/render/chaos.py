@@ -24,7 +24,21 @@ def section(results: Path) -> list[str]:
     path = results / "serve_chaos.json"
     if not path.exists():
         return lines + ["Not measured yet.", ""]
-    r = json.loads(path.read_text())
+    lines += _report(json.loads(path.read_text()))
+    workers = results / "serve_chaos-workers.json"
+    if workers.exists():
+        r = json.loads(workers.read_text())
+        lines += ["### With HTTP worker processes", "",
+                  (f"`python -m benchmarks.serving.serve_chaos --minutes {r['minutes']:g} --seed {r['seed']} "
+                   f"--http-workers {r['http_workers']} --out benchmarks/results/serve_chaos-workers.json`: the "
+                   "same soak, both servers with HTTP worker processes (a killed writer takes its HTTP processes "
+                   "down with it)."), ""]
+        lines += _report(r)
+    return lines
+
+
+def _report(r: dict) -> list[str]:
+    """One soak's machine line and table."""
     s = r["summary"]
     recovery = s["recovery_s"]
     growth = s["rss_max_growth_after_warmup"]
@@ -52,5 +66,5 @@ def section(results: Path) -> list[str]:
     ]
     head = (f"Machine: {machine_line(r['machine'])}. {r['minutes']:g} minutes, seed {r['seed']}, {r['clients']} "
             f"clients in {r['client_processes']} processes on the same machine. Bundle: {r['bundle']}.")
-    return lines + [head + (" " + sentence(r["note"]) if r.get("note") else ""), "",
-                    table(["", "measured", "target (30 minutes)"], rows), ""]
+    return [head + (" " + sentence(r["note"]) if r.get("note") else ""), "",
+            table(["", "measured", "target (30 minutes)"], rows), ""]

@@ -25,21 +25,36 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import REPO, machine, save_json
+from benchmarks.serving.frontend_bench import tree
 from benchmarks.serving.serve_harness import pct, start_server, tiny_bundle
 
 DIM = 64
 
 
 def proc_kb(pid: int, field: str = "VmHWM") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
+    """``field`` of the server process, summed over its HTTP worker processes when it has them (the fit workers,
+    which start and stop with fits, are counted too)."""
+    total = 0
+    for p in tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass  # exited meanwhile
+    return total
 
 
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    """CPU seconds of the server process and its children now (HTTP worker processes included)."""
+    total = 0.0
+    for p in tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
 
 
 def vectors(n: int, seed: int = 0) -> list[list[float]]:

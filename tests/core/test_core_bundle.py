@@ -144,3 +144,12 @@ def test_int8_section_round_trips_and_names_its_graph(tmp_path: Path):
 def test_int8_sections_that_cannot_be_served_are_refused(section, needle):
     with pytest.raises(BundleError, match=needle):
         parse_bundle_info({**DOC, "int8": section})
+
+
+def test_feature_layouts_add_up_to_the_feature_width():
+    from msn_core.features import feature_dim, feature_layout
+
+    for name in ("cls_pre_norm", "cls_post_norm", "cls_last2", "patch_tokens", "cls_patch_tokens", "patch_grid2"):
+        layout = feature_layout(name, embed_dim=12, depth=4, grid=4)
+        assert layout.global_dim + layout.map_dim == feature_dim(name, embed_dim=12, depth=4, grid=4), name
+    assert feature_layout("cls_patch_tokens", embed_dim=12, depth=4, grid=4).side == 4

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from msn_core.optional import EXTRAS, GPU_INSTALL, MissingDependency, available, install_hint, missing, optional, require
+from msn_core.optional import (
+    EXTRAS,
+    GPU_INSTALL,
+    MissingDependency,
+    available,
+    install_hint,
+    missing,
+    optional,
+    require,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 # Where code may catch ImportError itself: the registry alone.

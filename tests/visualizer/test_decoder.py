@@ -133,3 +133,54 @@ def test_vb_term_vanishes_for_the_true_posterior() -> None:
     exact = diffusion._vb_bits(-torch.ones_like(x0), noise, x0, x_t, t)
     wrong = diffusion._vb_bits(torch.ones_like(x0), noise, x0, x_t, t)
     assert abs(exact.item()) < 1e-4 < wrong.item()
+
+
+def test_a_token_map_conditions_the_pixels_at_its_place() -> None:
+    """model.map_channels: the map (here 4 x 4 places of 8 values after a 16-wide CLS) enters as input channels,
+    upsampled to the image, so changing one place moves the output there more than far from it."""
+    from msn_core.features import FeatureLayout
+
+    cfg = tiny_config("model.map_channels=4", "model.global_mlp=true")
+    torch.manual_seed(0)
+    layout = FeatureLayout(16, 4, 8)
+    decoder = RCDMDecoder(cfg.model, cond_dim=16 + 4 * 4 * 8, layout=layout)
+    assert decoder.unet.config.in_channels == 3 + 4
+    x, t, feat = torch.randn(1, 3, 16, 16), torch.tensor([300]), torch.randn(1, 16 + 128)
+    moved = feat.clone()
+    moved[0, 16: 16 + 8] += 5.0  # place (0, 0): the top-left quarter of the 16 x 16 image's 4 x 4 cells
+    with torch.no_grad():
+        channels = (decoder.condition(moved)[1] - decoder.condition(feat)[1]).abs().mean(dim=(0, 1))
+        torch.nn.init.normal_(decoder.unet.conv_out.weight)
+        out_change = (decoder(x, t, moved) - decoder(x, t, feat)).abs().max()
+    assert channels[:4, :4].mean() > 10 * channels[8:, 8:].mean() and out_change > 0
+    with pytest.raises(ValueError, match="token map"):
+        RCDMDecoder(cfg.model, cond_dim=64, layout=FeatureLayout(64, 0, 0))
+
+
+@pytest.mark.parametrize("extra", [("diffusion.prediction=v", "diffusion.min_snr_gamma=5"),
+                                   ("diffusion.min_snr_gamma=5",)])
+def test_v_prediction_and_min_snr_train_and_dpmpp_samples(extra: tuple[str, ...]) -> None:
+    decoder, diffusion = _decoder(*extra)
+    x0 = torch.rand(4, 3, 16, 16) * 2 - 1
+    loss, _ = diffusion.loss(decoder, x0, torch.randn(4, 64))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in decoder.parameters())
+    decoder.eval()
+    feat = torch.randn(2, 64)
+    a = diffusion.sample(decoder, feat, image_size=16, steps=5, sampler="dpmpp",
+                         generator=torch.Generator().manual_seed(0))
+    again = diffusion.sample(decoder, feat, image_size=16, steps=5, sampler="dpmpp",
+                             generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(a, again)  # deterministic for a seed
+    assert a.shape == (2, 3, 16, 16) and a.abs().max() <= 1 and torch.isfinite(a).all()
+
+
+def test_cosine_learning_rate_ends_with_the_time_cap() -> None:
+    from visualizer.train import learning_rate
+
+    cfg = tiny_config("optim.lr_schedule=cosine", "optim.max_minutes=10", "optim.max_steps=100000",
+                      "optim.warmup_steps=10", "optim.lr=1e-3")
+    assert learning_rate(cfg, 4, 0.0) == pytest.approx(5e-4)  # warm-up
+    assert learning_rate(cfg, 500, 300.0) == pytest.approx(5e-4, rel=1e-3)  # half the minutes: half the cosine
+    assert learning_rate(cfg, 900, 600.0) == pytest.approx(0.0, abs=1e-12)
+    assert learning_rate(tiny_config(), 500, 600.0) == tiny_config().optim.lr  # constant: as before
