@@ -5,7 +5,8 @@
 
 On Fashion-MNIST: ``--images`` class-balanced test images (500) condition one sample each, at mask ratios 0, 0.5,
 0.7 and 0.9 (the keep rows seeded per image), with the decoder's own sampler at guidance 1 (the app's default), and
-at guidance 2 and 3 unmasked when the decoder learned an unconditional branch. Per setting
+at guidance 2 and 3 unmasked (the first ``--guidance-images``, 200) when the decoder learned an unconditional
+branch. Per setting
 (:mod:`visualizer.measures` defines each figure):
 
 - faithfulness: each sample re-encoded and its conditioning image ranked among the 10,000 test images (median rank,
@@ -15,7 +16,7 @@ at guidance 2 and 3 unmasked when the decoder learned an unconditional branch. P
   the pixel judge's (weighted kNN-10 on raw pixels against the 60,000 training images), likewise;
 - sharpness: sample against source high-frequency energy, paired (1 = as sharp);
 - realism: KID in the encoder's feature space against 2,000 other test images, beside real against real;
-- spread: mean pairwise pixel distance of 4 samples for each of 50 images.
+- spread: mean pairwise pixel distance of 4 samples for each of 25 images.
 
 Then the wall time of 8 samples of one image at the app's default settings. Writes
 ``benchmarks/results/decoder_harness-TAG.json`` and a grid of samples beside it; ``python -m benchmarks.render``
@@ -113,21 +114,23 @@ class Harness:
         return torch.cat([self.pipe.sample_from_features(chunk, guidance_scale=guidance, seed=seed + i)
                           for i, chunk in enumerate(cond.split(128))])
 
-    def measure(self, ratio: float, guidance: float) -> tuple[dict, torch.Tensor]:
-        """One sample per chosen image at ``ratio`` and ``guidance``: every figure of the module docstring."""
+    def measure(self, ratio: float, guidance: float, images: int | None = None) -> tuple[dict, torch.Tensor]:
+        """One sample for each of the first ``images`` chosen images (all by default; the order is class-balanced)
+        at ``ratio`` and ``guidance``: every figure of the module docstring."""
         started = time.perf_counter()
-        keep = self.keep_rows(ratio, len(self.chosen))
-        cond = torch.from_numpy(self.embed(rgb(self.sources), keep))
+        n = min(images or len(self.chosen), len(self.chosen))
+        chosen, sources, labels = self.chosen[:n], self.sources[:n], self.labels[:n]
+        keep = self.keep_rows(ratio, n)
+        cond = torch.from_numpy(self.embed(rgb(sources), keep))
         samples = self.samples(cond, guidance, seed=self.seed)
         feats = self.embed(samples)
-        ranks = reencoded_ranks(feats, self.chosen, self.gallery_feats)
-        small = to_size(samples, self.sources.shape[-1])
-        n = len(self.chosen)
-        hits = {"classifier": int(np.sum(self.classifier.predict(feats) == self.labels)),
-                "pixel_judge": int(np.sum(self.judge.predict(small) == self.labels))}
+        ranks = reencoded_ranks(feats, chosen, self.gallery_feats)
+        small = to_size(samples, sources.shape[-1])
+        hits = {"classifier": int(np.sum(self.classifier.predict(feats) == labels)),
+                "pixel_judge": int(np.sum(self.judge.predict(small) == labels))}
         row: dict = {"ratio": ratio, "guidance": guidance, "images": n,
                      "median_rank": float(np.median(ranks)), "r_at_1": recall_at(ranks, 1),
-                     "r_at_10": recall_at(ranks, 10), "sharpness_ratio": sharpness_ratio(small, self.sources),
+                     "r_at_10": recall_at(ranks, 10), "sharpness_ratio": sharpness_ratio(small, sources),
                      "kid": kid(feats, self.gallery_feats[self.others])}
         for judge, hit in hits.items():
             low, high = wilson(hit, n)
@@ -172,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     ratios = RATIOS[:2] if args.quick else RATIOS
     for ratio in ratios:
         row, samples = harness.measure(ratio, 1.0)
-        row["spread"] = harness.spread_at(ratio, images=10 if args.quick else 50)
+        row["spread"] = harness.spread_at(ratio, images=10 if args.quick else 25)
         out["rows"].append(row)
         print(_line(row), flush=True)
         for n in range(8):
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
             grid_rows[n].append(to_hwc(samples[n]))
     if pipe.guidance_trained:
         for scale in GUIDANCE[:1] if args.quick else GUIDANCE:
-            row, _ = harness.measure(0.0, scale)
+            row, _ = harness.measure(0.0, scale, images=args.guidance_images)
             out["rows"].append(row)
             print(_line(row), flush=True)
     out["app_8_samples_s"] = round(harness.app_seconds(1 if args.quick else 3), 3)
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decoder", type=Path, required=True, help="a decoder run (msn-visualize train's output)")
     ap.add_argument("--tag", default="demo", help="names the results file: decoder_harness-TAG.json")
     ap.add_argument("--images", type=int, default=500, help="class-balanced test images, one sample each")
+    ap.add_argument("--guidance-images", type=int, default=200, help="images of the guidance 2 and 3 rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true", help="small everything: checks the harness, not the decoder")
