@@ -10,7 +10,9 @@ held-out originals is its ceiling. It needs labels: on unlabelled images (a flat
 
 Feature similarity needs no labels: the mean cosine between a sample's embedding and its conditioning image's, beside
 the same with another held-out image's (``feature_similarity_other``, the level a decoder that ignores its
-condition reaches). Held-out images come from :mod:`visualizer.data`. Sampling uses the run's own sampler and step
+condition reaches). Faithfulness and sharpness as ``benchmarks/evaluation/decoder_harness.py`` measures them, on
+these images (:mod:`visualizer.measures`): the re-encoded rank of each sample's conditioning image among up to
+``GALLERY`` held-out images, and the samples' high-frequency energy against their sources'. Held-out images come from :mod:`visualizer.data`. Sampling uses the run's own sampler and step
 count at guidance 1 (pure conditional), as the app does by default.
 
 Everything torch does happens before cyanure fits (cyanure's OpenMP runtime can slow torch's later work in the same
@@ -28,15 +30,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from msn_core.lowshot import fit_logistic
+from training.api import eval_transform
 from visualizer.config import RCDMConfig
 from visualizer.data import DecoderData
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, to_uint8
+from visualizer.measures import recall_at, reencoded_ranks, sharpness_ratio
 
 __all__ = ["LABELLED_PER_CLASS", "describe", "measure_quality"]
 
 log = logging.getLogger("msn.visualize")
 LABELLED_PER_CLASS = 100  # as rcdm_eval.py's default
+GALLERY = 1000  # held-out images the conditioning image is ranked among
 MAX_LABELLED = 2000  # many classes: fewer labelled images per class, so the figure stays cheap
 BATCH = 64
 
@@ -74,6 +79,11 @@ def _picks(data: DecoderData, wanted: int, rng: np.random.Generator) -> tuple[Da
     return held, chosen, labelled
 
 
+def decoder_view(images_uint8: torch.Tensor, size: int) -> torch.Tensor:
+    """Images at the decoder's resolution, 0-255 (what its samples are compared with; the decoder's targets)."""
+    return eval_transform(images_uint8, resize=size, crop=size, mean=[0.0] * 3, std=[1.0 / 255] * 3)
+
+
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
     b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
@@ -105,13 +115,21 @@ def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEnc
     with torch.random.fork_rng(devices=devices):
         generator = torch.Generator().manual_seed(cfg.run.seed)
         labelled_feats = _embed(encoder, _stack(data.train, labelled)) if reason is None else None
-        cond = encoder.embed(_stack(held, chosen))
+        sources = _stack(held, chosen)
+        cond = encoder.embed(sources)
+        others = np.setdiff1d(np.arange(min(len(held), GALLERY + len(chosen))), chosen)[: GALLERY - len(chosen)]
+        gallery_feats = np.concatenate([cond.cpu().numpy(), _embed(encoder, _stack(held, others))]) \
+            if len(others) else cond.cpu().numpy()
         samples = torch.cat([
             to_uint8(diffusion.sample(decoder, chunk, image_size=cfg.model.image_size, guidance_scale=1.0,
                                       generator=generator))
             for chunk in cond.split(BATCH)])
         sample_feats = _embed(encoder, samples)
         original_feats = cond.cpu().numpy()
+        ranks = reencoded_ranks(sample_feats, np.arange(len(chosen)), gallery_feats)
+        size = cfg.model.image_size
+        sharp = sharpness_ratio(samples.float().mean(dim=1).numpy(),
+                                decoder_view(sources, size).float().mean(dim=1).numpy())
     decoder.train(was_training)
     figure: dict = {"class_consistency": None, "class_consistency_reason": reason}
     if reason is None:
@@ -122,6 +140,8 @@ def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEnc
             "classifier_accuracy": round(float(np.mean(classifier.predict(original_feats) == truth)), 4),
             "chance": round(1.0 / len(classes), 4), "labelled_images": len(labelled)}
     figure.update({
+        "median_rank": float(np.median(ranks)), "r_at_10": round(recall_at(ranks, 10), 4),
+        "gallery": len(gallery_feats), "sharpness_ratio": round(sharp, 3),
         "feature_similarity": _cosine(sample_feats, original_feats),
         "feature_similarity_other": _cosine(sample_feats, np.roll(original_feats, 1, axis=0))
         if len(chosen) > 1 else None,
@@ -143,6 +163,10 @@ def describe(quality: dict | None) -> str:
     else:
         text = (f"class consistency {quality['class_consistency']:.2f} ({on}; the classifier scores "
                 f"{quality['classifier_accuracy']:.2f} on the originals, chance {quality['chance']:.2f})")
+    if quality.get("median_rank") is not None:
+        text += (f"; re-encoded, its image ranks {quality['median_rank']:.0f} (median) of {quality['gallery']} "
+                 f"held-out images, R@10 {quality['r_at_10']:.2f}; sharpness {quality['sharpness_ratio']:.2f} of "
+                 "the originals'")
     if quality.get("feature_similarity") is not None:
         other = quality.get("feature_similarity_other")
         text += (f"; feature similarity {quality['feature_similarity']:.2f} to the conditioning image"

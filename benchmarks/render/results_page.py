@@ -17,7 +17,7 @@ from benchmarks.protocol import (
     ratio_run,
     tsne_name,
 )
-from benchmarks.render import own_images
+from benchmarks.render import decoder, own_images
 from benchmarks.render.budget import render_budget
 from benchmarks.render.evals import accuracy_cell, lowshot_rows, mean_accuracy
 from benchmarks.render.features import render_feature_choice
@@ -175,6 +175,9 @@ def render(docs: Path) -> str:
         parts.append(render_budget(json.loads(budget.read_text())))
     if rcdm.exists():
         parts.append(render_rcdm(json.loads(rcdm.read_text())))
+    harness = decoder.section(results)
+    if harness:
+        parts.append(harness)
     features = render_feature_choice(docs.parent / "benchmarks" / "results")
     if features:
         parts.append(features)

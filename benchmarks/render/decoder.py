@@ -1,0 +1,57 @@
+"""docs/results.md, "What a decoder shows": ``benchmarks/results/decoder_harness-*.json``, decoders side by side."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.common import describe_machine
+from benchmarks.render.text import table
+
+ORDER = ("today", "new")  # the tags of the issue's comparison, in this order; other tags follow, sorted
+
+
+def _runs(results: Path) -> list[dict]:
+    runs = {p.stem.removeprefix("decoder_harness-"): json.loads(p.read_text())
+            for p in sorted(results.glob("decoder_harness-*.json"))}
+    runs = {tag: r for tag, r in runs.items() if not r.get("quick")}
+    return [runs[t] for t in ORDER if t in runs] + [r for t, r in sorted(runs.items()) if t not in ORDER]
+
+
+def _judge(j: dict) -> str:
+    low, high = j["ci95"]
+    return f"{j['consistency']:.2f} [{low:.2f}, {high:.2f}] ({j['of_originals']:.2f})"
+
+
+def section(results: Path) -> str:
+    runs = _runs(results)
+    if not runs:
+        return ""
+    lines = ["## What a decoder shows: re-encoded rank, class, sharpness, realism", "",
+             ("`python -m benchmarks.evaluation.decoder_harness --bundle bundles/demo --decoder RUN --tag TAG`: one "
+              "sample for each of 500 class-balanced Fashion-MNIST test images (guidance rows: the first 200), "
+              "re-encoded and its conditioning image ranked among the 10,000 test images (RCDM's faithfulness "
+              "measure: a decoder that keeps only the class sits near rank 500, a random one at 5,000); class "
+              "consistency by the feature classifier and by kNN on raw pixels (95 % Wilson interval, and in "
+              "brackets as a fraction of the judge's accuracy on the originals); high-frequency energy against the "
+              "conditioning image's (1 = as sharp); KID against 2,000 other test images in the encoder's space; the "
+              "spread of 4 samples of one image."), ""]
+    head = ["decoder", "mask", "guidance", "median rank", "R@1", "R@10", "classifier", "pixel kNN", "sharpness",
+            "KID", "spread"]
+    rows = []
+    for r in runs:
+        cfg = r["config"]
+        name = f"{r['tag']} ({cfg['image_size']} px, {cfg['sampler']} {cfg['sample_steps']}, step {r['decoder_step']})"
+        for row in r["rows"]:
+            rows.append([name, f"{row['ratio']:.1f}", f"{row['guidance']:g}", f"{row['median_rank']:.0f}",
+                         f"{row['r_at_1']:.3f}", f"{row['r_at_10']:.3f}", _judge(row["classifier"]),
+                         _judge(row["pixel_judge"]), f"{row['sharpness_ratio']:.2f}", f"{row['kid']:.4f}",
+                         f"{row['spread']:.3f}" if "spread" in row else ""])
+    lines += [table(head, rows), ""]
+    for r in runs:
+        c = r["ceilings"]
+        lines.append(f"- {r['tag']}: 8 samples of one image at the app's defaults in {r['app_8_samples_s']:.2f} s; "
+                     f"the judges on the originals: classifier {c['classifier']:.2f}, pixel kNN "
+                     f"{c['pixel_judge']:.2f}; KID real against real {r['kid_real_vs_real']:.4f}; "
+                     f"![{r['tag']}: original, then a sample at each mask ratio](../benchmarks/results/{r['grid']}).")
+    lines += ["", f"Machine: {describe_machine(runs[-1]['machine'])}.", ""]
+    return "\n".join(lines)
