@@ -1,4 +1,4 @@
-"""The on-disk form of an embedded corpus: what ``msn-embed`` writes and ``msn-index build`` reads.
+"""The on-disk form of an embedded corpus: what ``msn-embed`` writes and ``msn-index build`` reads (:func:`load_corpus`).
 
 Both embedding drivers use it: the torch-free one (:mod:`msn_serve.corpus`, the serving engine) and the torchrun
 one (``training.bundle.embed``, several ranks). Image *i* of the listing gets id *i*; the listing is cut into shards
@@ -16,7 +16,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,14 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "IDENTITY",
+    "Corpus",
+    "CorpusError",
     "RunMismatch",
     "bundle_fingerprint",
     "check_run",
     "corpus_items",
     "listing_sha256",
+    "load_corpus",
     "recorded_run",
     "shard_dims",
     "shard_done",
@@ -156,3 +160,70 @@ def write_manifest(out: Path, run: dict[str, Any], n_shards: int, dim: int, seco
 def shard_dims(out: Path, n_shards: int) -> set[int]:
     """The embedding widths of the committed shards that hold any vector."""
     return {json.loads((out / f"{shard_name(s)}.json").read_text())["dim"] for s in range(n_shards)} - {0}
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+class CorpusError(ValueError):
+    """A folder that is not a complete, consistent corpus; the message names the file and what is wrong."""
+
+
+@dataclass
+class Corpus:
+    """A complete corpus (``manifest.json`` written), its shards memory-mapped on demand."""
+
+    root: Path
+    manifest: dict[str, Any]
+    shards: list[dict[str, Any]]
+    n: int
+    dim: int
+
+    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, float32 vectors)`` per shard, memory-mapped from the ``.npy`` files."""
+        for s in self.shards:
+            vecs = np.load(self.root / s["embeddings"], mmap_mode="r")
+            ids = np.load(self.root / s["ids"])
+            yield ids, vecs
+
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        """Vectors at sorted global positions (shard order), gathered without loading everything."""
+        out, start = [], 0
+        for _, vecs in self.chunks():
+            sel = positions[(positions >= start) & (positions < start + len(vecs))] - start
+            if sel.size:
+                out.append(np.asarray(vecs[sel], dtype=np.float32))
+            start += len(vecs)
+        return np.concatenate(out) if out else np.zeros((0, self.dim), np.float32)
+
+    def paths(self) -> Iterator[dict[str, Any]]:
+        """Each image's ``{"id", "path", "label"?}`` as recorded (paths relative to ``manifest["base"]``)."""
+        for s in self.shards:
+            for line in (self.root / s["paths"]).read_text().splitlines():
+                yield json.loads(line)
+
+
+def load_corpus(root: Path) -> Corpus:
+    """The corpus in ``root``, every shard's shape, values and ids checked before anything is built from it."""
+    path = root / "manifest.json"
+    if not path.is_file():
+        raise CorpusError(f"{root}: no manifest.json (run msn-embed to completion first)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise CorpusError(f"{path}: not an msn-embed manifest")
+    dim, shards, seen = int(manifest["dim"]), [s for s in manifest["shards"] if s["count"] > 0], []
+    for s in shards:
+        vecs = np.load(root / s["embeddings"], mmap_mode="r")
+        ids = np.load(root / s["ids"])
+        if vecs.ndim != 2 or vecs.shape != (s["count"], dim) or ids.shape != (s["count"],):
+            raise CorpusError(f"{root / s['embeddings']}: shape {vecs.shape} / ids {ids.shape}, manifest says "
+                              f"({s['count']}, {dim})")
+        if not np.isfinite(vecs).all():
+            raise CorpusError(f"{root / s['embeddings']}: contains NaN or infinity")
+        seen.append(ids)
+    all_ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+    if all_ids.size == 0:
+        raise CorpusError(f"{root}: no embeddings to index")
+    if all_ids.min() < 0 or np.unique(all_ids).size != all_ids.size:
+        raise CorpusError(f"{root}: ids must be unique and non-negative")
+    return Corpus(root, manifest, shards, int(all_ids.size), dim)

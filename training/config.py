@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from msn_core.features import FeatureError, parse_feature
-from training.sources import FILE_SOURCES, SOURCES
+from msn_core.sources import FILE_SOURCES, SOURCES
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # auto | folder | image_folder | file_list | fashion-mnist | synthetic (training/sources.py). auto: a file is a
+    # auto | folder | image_folder | file_list | fashion-mnist | synthetic (msn_core/sources.py). auto: a file is a
     # file list; a folder is an image folder when every image sits in root/<class>/, else an unlabelled folder
     source: str = "auto"
     root: str | None = None  # the folder of images, or the file list

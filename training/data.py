@@ -7,7 +7,7 @@ data loading from starving the GPU, and uint8 batches cost a quarter of the host
 A sample is ``Sample(image uint8 (3, S, S), label int, num_skipped int)``; ``num_skipped`` counts unreadable files
 that were replaced by the next readable one, so the training loop can sum and report them instead of crashing. The
 label is -1 for images without one (an unlabelled folder or list). Which files a source holds is
-``training.sources``'s business; this module decodes them.
+``msn_core.sources``'s business; this module decodes them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from PIL import Image, ImageOps
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from training.sources import FILE_SOURCES, IMAGE_EXTENSIONS, SOURCES, SourceError, SourceListing, list_images
+from msn_core.sources import FILE_SOURCES, IMAGE_EXTENSIONS, SOURCES, SourceError, SourceListing, list_images
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def pil_to_tensor(image: Image.Image) -> Tensor:
 
 
 class ImageListDataset(Dataset):
-    """The images of a ``training.sources.SourceListing`` (folder, image folder or file list), decoded with Pillow
+    """The images of a ``msn_core.sources.SourceListing`` (folder, image folder or file list), decoded with Pillow
     in the loader workers.
 
     Unreadable files (corrupt, truncated, empty, missing, not an image) are replaced by the next readable file in
@@ -254,10 +254,10 @@ class SyntheticDataset(Dataset):
 def build_dataset(source: str, *, root: str | None = None, split: str = "train", load_size: int,
                   synthetic_size: int = 512, synthetic_classes: int = 10, seed: int = 0,
                   subset: str | None = None, image_root: str | None = None) -> Dataset:
-    """Build the dataset named by ``source``: one of ``training.sources.SOURCES``.
+    """Build the dataset named by ``source``: one of ``msn_core.sources.SOURCES``.
 
     On-disk sources (``auto``, ``folder``, ``image_folder``, ``file_list``) are listed by
-    ``training.sources.list_images``: for folders, ``split`` is a subfolder of ``root`` when it exists
+    ``msn_core.sources.list_images``: for folders, ``split`` is a subfolder of ``root`` when it exists
     (``root/train``; ``root/val`` or ``root/test``), otherwise ``root`` itself; ``image_root`` is where a file
     list's relative paths point.
     """

@@ -6,9 +6,13 @@ Launch with ``torchrun``; the official code's SLURM/``mp.spawn`` setup is not re
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
+import tomllib
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,11 +50,26 @@ class DistInfo:
     backend: str | None
 
 
+def pinned_torch() -> str:
+    """The torch requirement the project pins (``torch==X.Y.Z``), read from pyproject.toml's ``train`` extra (a
+    checkout) or the installed ``msn`` distribution's metadata built from it, so the pin is written in one place."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        requires = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["train"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        try:
+            requires = importlib.metadata.requires("msn") or []
+        except importlib.metadata.PackageNotFoundError:
+            requires = []
+    pins = [r.split(";")[0].strip() for r in requires if re.match(r"torch\s*==", r)]
+    return pins[0] if pins else "the torch version pyproject.toml pins"
+
+
 def torch_problem(version: str, cuda_build: str | None, devices: int, driver: str | None) -> str | None:
     """Why torch ``version`` (built for CUDA ``cuda_build``, None: the CPU build) cannot train on a GPU when it
     sees ``devices`` GPUs and the driver check said ``driver``; None when it can."""
     if cuda_build is None:
-        return (f"torch's CUDA build (this torch {version} is the CPU build): pip install torch==2.13.0 from "
+        return (f"torch's CUDA build (this torch {version} is the CPU build): pip install {pinned_torch()} from "
                 "PyPI into a fresh environment (its Linux wheel of that version is the CUDA build)")
     if devices < 1:
         return f"a GPU torch {version} (CUDA {cuda_build}) can use: " + (driver or "torch.cuda finds none")

@@ -14,7 +14,8 @@ match the sharpened, Sinkhorn-balanced assignment of the target (training/model/
 `optim.epochs`, `optim.total_steps` optimiser steps, or `optim.budget_minutes` of wall-clock time, decided
 before the loop (training/run/length.py); a budget run resizes it from its measured rate (training/run/budget.py).
 
-`main` reads top to bottom: config -> distributed -> build (and resume) -> run length -> loop -> save.
+`main` reads top to bottom: config (and the plan) -> distributed -> build (and resume, precision; then
+``config.yaml`` is written, once) -> run length -> loop -> save. ``checkpoint.pt`` is ``training/run/checkpoints.py``'s.
 Resuming happens with ``--resume``, or by itself when torchrun restarts the workers of this launch
 (docs/training.md#restarts-under-torchrun).
 """
@@ -23,26 +24,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from msn_core.gpu import CudaUnavailable
+from msn_core.sources import MEMORY_SOURCES, SourceError
 from training import distributed as dist
 from training.bundle.warm_start import init_run
-from training.checkpoint import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINT_VERSION,
-    copy_checkpoint,
-    fault_point,
-    launch_id,
-    load_checkpoint,
-)
+from training.checkpoint import fault_point, launch_id
 from training.config import (
     Config,
     ConfigError,
@@ -52,8 +45,8 @@ from training.config import (
     read_raw_config,
     set_key,
 )
-from training.model.vit import encoder_kwargs
-from training.run.build import Run, build_run, preprocessing
+from training.run.build import Run, build_run
+from training.run.checkpoints import Checkpoints
 from training.run.collapse import CollapseDetector, RunGeometry
 from training.run.length import RunLength, RunSchedule, schedule_run
 from training.run.monitor import TrainingMonitor
@@ -61,9 +54,8 @@ from training.run.plan import Plan, parse_budget, plan_config, set_length
 from training.run.precision_timing import PrecisionChoice, choose_precision
 from training.run.probe import build_probe
 from training.run.stall import StallDetector, StallSettings
-from training.run.state import Progress, TrainState, batches_from, restore_progress, save_progress
+from training.run.state import Progress, TrainState, batches_from
 from training.run.step import StepOutput, train_step
-from training.sources import MEMORY_SOURCES, SourceError
 
 log = logging.getLogger("msn.train")
 
@@ -94,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     # 1. config: YAML + --set overrides; a bad key is an error message, not a traceback
     args = parse_args(argv)
     try:
-        cfg = resolve_config(args)
+        cfg, plan = resolve_config(args)
     except (ConfigError, FileNotFoundError) as err:
         sys.exit(f"pretrain: {err}")
     # 2. distributed: one process per device (torchrun's environment, or a single process)
@@ -109,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         if info.rank == 0:
             args.output_dir.mkdir(parents=True, exist_ok=True)
             launch = launch_id(args.output_dir, restarted=dist.restart_count() > 0)
-            dump_config(cfg, args.output_dir / "config.yaml", plan=args.plan.record() if args.plan else None)
         # 3. build: data, views, networks, loss, optimiser; then the stored position when resuming
         try:
             run = build_run(cfg, info)
@@ -123,18 +114,20 @@ def main(argv: list[str] | None = None) -> None:
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
         # precision: auto on a CPU with bf16 units times both on this run's steps, undone (run/precision_timing.py)
         choice = choose_precision(run, resumed=resumed, stored=checkpoints.stored_precision)
-        keep_precision(run, choice, args)
+        keep_precision(run, choice, plan)
+        if info.rank == 0:  # nothing changes the config after the precision: it is written now, once
+            write_run_config(run.cfg, args.output_dir, plan, choice)
         probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
         # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
         # resizes both from its measured rate (training/run/budget.py; a timed precision's rate seeds the first
         # length, so no step is timed twice); every checkpoint stores the length
-        schedule = schedule_run(run, stored=state.stored_length, started_at=started_at,
+        schedule = schedule_run(run, stored=checkpoints.stored_length, started_at=started_at,
                                 seconds_per_step=choice.seconds_per_step.get(choice.precision))
         state.length = schedule
         length = schedule.length
         # 5. loop: optimiser steps with logs and periodic checkpoints
         stall_settings = StallSettings.from_config(cfg, run.global_batch,
-                                                   args.plan.survey.detail_side if args.plan else None)
+                                                   plan.survey.detail_side if plan is not None else None)
         monitor = TrainingMonitor(args.output_dir, enabled=info.rank == 0, total_steps=length.stop_at,
                                   start_step=progress.step, progress_bar=cfg.run.progress_bar,
                                   tensorboard=cfg.run.tensorboard, probe=probe,
@@ -159,12 +152,13 @@ def main(argv: list[str] | None = None) -> None:
         dist.cleanup()
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
+def resolve_config(args: argparse.Namespace) -> tuple[Config, Plan | None]:
     """The run's config: the dataclass defaults, then ``--config``'s YAML, then ``--data``, then ``--set`` (later
     wins). This is the one place the command line becomes a config: whatever is decided from the data and the machine
     before the run is built belongs here, so it is recorded in ``config.yaml`` and ``--set`` still overrides it.
     ``--budget`` / ``--epochs`` replace the config's length; ``--data`` without ``--config`` plans the run from the
-    data and the machine (``training/run/plan.py``), kept in ``args.plan`` for the log and ``config.yaml``."""
+    data and the machine (``training/run/plan.py``): that plan is returned beside the config, for the log, the stall
+    detector and ``config.yaml`` (None for a run from a recipe)."""
     raw = read_raw_config(args.config, None)
     if args.data is not None:
         named = args.data in MEMORY_SOURCES and not Path(args.data).exists()
@@ -177,13 +171,13 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.init_from is not None:
         set_key(raw, "run.init_from", os.path.abspath(args.init_from))  # config.yaml: cwd-independent
     set_length(raw, budget_minutes=args.budget, epochs=args.epochs)
-    args.plan = None  # --data without a recipe: plan one from the data and the machine (training/run/plan.py)
+    plan = None  # --data without a recipe: plan one from the data and the machine (training/run/plan.py)
     if args.data is not None and args.config is None:
-        args.plan = plan_config(raw, args.overrides)
-        for key, value in args.plan.values.items():
+        plan = plan_config(raw, args.overrides)
+        for key, value in plan.values.items():
             set_key(raw, key, value)
     apply_overrides(raw, args.overrides)
-    return config_from_dict(raw)
+    return config_from_dict(raw), plan
 
 
 def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: TrainingMonitor,
@@ -220,108 +214,31 @@ def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: Tra
     return last
 
 
-@dataclass
-class Checkpoints:
-    """The run's ``checkpoint.pt``: resuming from it and writing it (every rank calls ``save``; rank 0 writes).
-
-    Only rank 0 writes, atomically, so the file is always one complete checkpoint; ``launch`` (rank 0) is the id
-    of this launch, stored in every checkpoint so that a torchrun restart resumes only what its launch wrote.
-    """
-
-    run: Run
-    state: TrainState
-    output_dir: Path
-    launch: str | None = None
-    saved_step: int = -1
-    resume_step: int = field(default=-1, init=False)  # the step rank 0 read; every rank must load that same step
-    stored_precision: str | None = field(default=None, init=False)  # what the resumed checkpoint trained in
-    _stored: dict | None = field(default=None, init=False, repr=False)  # rank 0's copy: the file is read once
-
-    @property
-    def path(self) -> Path:
-        return self.output_dir / "checkpoint.pt"
-
-    def should_resume(self, *, asked: bool) -> bool:
-        """Whether every rank continues from ``checkpoint.pt``: with ``--resume``, or when torchrun restarted the
-        workers (same command line, no ``--resume``) of the launch that wrote it. Rank 0 decides for all."""
-        step = -1
-        if self.run.info.rank == 0:
-            for leftover in self.output_dir.glob(".checkpoint*.tmp"):  # a write killed before its rename
-                log.info("removing %s, left by an interrupted checkpoint write", leftover.name)
-                leftover.unlink(missing_ok=True)
-            step = self._resumable_step(asked)
-        self.resume_step = dist.all_gather_object(step)[0]
-        return self.resume_step >= 0
-
-    def _resumable_step(self, asked: bool) -> int:
-        if not self.path.exists():
-            return -1
-        restart = dist.restart_count()
-        if not asked and not restart:
-            log.warning("%s is overwritten by this run's checkpoints (--resume continues it)", self.path)
-            return -1
-        self._stored = load_checkpoint(self.path)
-        if asked or self._stored.get("launch") == self.launch:
-            return self._stored["step"]
-        log.warning("torchrun restart %d: %s is from an earlier launch, not this one: starting over (--resume "
-                    "continues it)", restart, self.path)
-        self._stored = None
-        return -1
-
-    def resume(self) -> Progress:
-        """Load the weights, optimiser and stored run length into ``state``; return the position to go on from."""
-        stored, self._stored, rank = self._stored, None, self.run.info.rank
-        if stored is None:
-            if not self.path.exists():  # e.g. an output directory that not every node shares
-                sys.exit(f"pretrain: rank {rank} finds no {self.path}: every rank must see the same output "
-                         "directory")
-            stored = load_checkpoint(self.path)
-        if self.resume_step >= 0 and stored["step"] != self.resume_step:
-            sys.exit(f"pretrain: rank {rank} read step {stored['step']} from {self.path}, rank 0 step "
-                     f"{self.resume_step}: every rank must see the same output directory")
-        self.state.load_state_dict(stored)
-        self.stored_precision = stored.get("precision")
-        run = self.run
-        progress = restore_progress(stored, steps_per_epoch=run.steps_per_epoch, info=run.info,
-                                    mask_generator=run.mask_generator, seed=run.cfg.run.seed)
-        self.saved_step = progress.step
-        restart = dist.restart_count()
-        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", self.path, progress.step, progress.epoch,
-                 progress.batch_in_epoch, f" after torchrun restart {restart}" if restart else "")
-        return progress
-
-    def save(self, progress: Progress, last: StepOutput) -> None:
-        check_finite(last, progress.step)
-        run = self.run
-        payload = {**self.state.state_dict(), **checkpoint_metadata(run), "launch": self.launch}
-        save_progress(self.path, payload, progress, steps_per_epoch=run.steps_per_epoch, info=run.info,
-                      mask_generator=run.mask_generator, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
-        self.saved_step = progress.step
-
-    def keep_epoch_copy(self, epoch: int) -> None:
-        if self.run.info.rank == 0:
-            copy_checkpoint(self.path, self.output_dir / f"checkpoint-ep{epoch:04d}.pt")
-
-
-def keep_precision(run: Run, choice: PrecisionChoice, args: argparse.Namespace) -> None:
-    """Train in the chosen precision and say so: ``config.yaml`` records it as the resolved ``run.precision`` (so do
-    the checkpoints) with the reason and measurement in its ``plan`` section, which loading skips (a run from a
-    recipe gets a section of its own); a planned run prints its plan block now, with that line in it."""
+def keep_precision(run: Run, choice: PrecisionChoice, plan: Plan | None) -> None:
+    """Train in the chosen precision and say so: the config (and so ``config.yaml`` and the checkpoints) holds it
+    as the resolved ``run.precision``; a planned run's plan takes it as its line, unless ``--set`` fixed it, and
+    rank 0 prints the plan block with it (a run from a recipe logs the reason)."""
     run.use_precision(choice.precision)
     run.cfg.run.precision = choice.precision
-    if run.info.rank != 0:
-        return
-    plan: Plan | None = args.plan
     if plan is not None and "run.precision" not in plan.fixed:
         plan.values["run.precision"], plan.reasons["run.precision"] = choice.precision, choice.reason
-    record = plan.record() if plan is not None else {"why": {"run.precision": choice.reason}}
-    if choice.timed:
-        record["precision_timing"] = choice.record()
+    if run.info.rank != 0:
+        return
     if plan is not None:
         print(plan.describe(), flush=True)
     else:
         log.info("run.precision %s: %s", choice.precision, choice.reason)
-    dump_config(run.cfg, args.output_dir / "config.yaml", plan=record)
+
+
+def write_run_config(cfg: Config, output_dir: Path, plan: Plan | None, choice: PrecisionChoice) -> None:
+    """Write the run's ``config.yaml``: the one writer, called by rank 0 once the config is settled (after resuming
+    and the precision choice, the last step that changes it). Beside the resolved config, a ``plan`` section that
+    loading skips says why: a planned run's plan, or for a run from a recipe the precision's reason, with the
+    timing's measurement when the precision was timed."""
+    record = plan.record() if plan is not None else {"why": {"run.precision": choice.reason}}
+    if choice.timed:
+        record["precision_timing"] = choice.record()
+    dump_config(cfg, output_dir / "config.yaml", plan=record)
 
 
 def describe(run: Run, length: RunLength) -> str:
@@ -336,19 +253,6 @@ def log_record(out: StepOutput, run: Run, skipped_files: int) -> dict:
     if run.device.type == "cuda":
         record["max_memory_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     return record
-
-
-def check_finite(out: StepOutput, step: int) -> None:
-    """Checked before every checkpoint (one sync), so a diverged run never overwrites a good checkpoint."""
-    if not math.isfinite(out.loss.item()):
-        raise FloatingPointError(f"loss is {out.loss.item()} at step {step}: stopping before it is saved")
-
-
-def checkpoint_metadata(run: Run) -> dict:
-    """What export and evaluation read besides the weights: the config, the trunk's shape, the preprocessing."""
-    return {"config": run.cfg.to_dict(), "arch": run.cfg.model.arch, "precision": run.precision,
-            "encoder_kwargs": encoder_kwargs(run.online.net.encoder),
-            "preprocessing": preprocessing(run.cfg, run.mean, run.std)}
 
 
 if __name__ == "__main__":

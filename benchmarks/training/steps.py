@@ -118,13 +118,18 @@ def pretrain_step(name: str, command: list[str], run_dir: Path, *, fresh: bool =
 
 
 def trainer_budget(checkpoint: Path) -> dict:
-    """The trainer's own account of its budget (the checkpoint's run length): seconds used, the first length and how
-    often it was resized (the keys keep the checkpoint's names); empty values for a run sized in steps. torchrun's wall clock also counts start-up."""
+    """The trainer's own account of its budget (the checkpoint's run length, read as ``--resume`` reads it): seconds
+    used, the first length and how often it was resized, under the keys the stored results already use; empty values
+    for a run sized in steps. torchrun's wall clock also counts start-up."""
     import torch
 
-    length = torch.load(checkpoint, map_location="cpu", weights_only=False).get("run_length") or {}
-    return {"trainer_budget_seconds_used": length.get("budget_seconds_used"),
-            "planned_total_steps": length.get("planned_total"), "replans": len(length.get("replans", []))}
+    from training.run.length import StoredLength
+
+    length = StoredLength.read(torch.load(checkpoint, map_location="cpu", weights_only=False))
+    if length is None:
+        return {"trainer_budget_seconds_used": None, "planned_total_steps": None, "replans": 0}
+    return {"trainer_budget_seconds_used": length.budget_seconds_used,
+            "planned_total_steps": length.first_total_steps, "replans": len(length.resizes)}
 
 
 def run_record(run_dir: Path) -> dict:

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
 def _build_index(args: argparse.Namespace) -> int:
     if args.index_backend == "milvus":
         return _milvus_index(args)
-    from msn_serve.indexes import build as msn_index
+    from msn_serve.indexes import cli as msn_index
 
     cmd = ["build", "--embeddings", str(args.out), "--data-dir", str(args.data_dir), "--name", args.index,
            "--index-type", args.index_type]

@@ -1,22 +1,24 @@
 """``msn-embed --index NAME --index-backend milvus``: the finished msn-embed shards as a Milvus index msn-serve serves.
 
-The copy is :func:`msn_serve.indexes.milvus_copy.copy_checked`'s (every id read back before it is marked ready), with
-the data directory's lock held, so msn-serve must be stopped, as for ``msn-index build``.
+The copy is :func:`msn_serve.indexes.milvus_copy.copy_checked`'s (every id read back before it is marked ready), in a
+new collection; the name then moves to it (:func:`~msn_serve.indexes.milvus_copy.point`), and with
+``--overwrite-index`` the old collection is dropped only after that, so a ``kill -9`` at any step leaves the old
+index or the new one under the name, whole. The data directory's lock is held, so msn-serve must be stopped, as for
+``msn-index build``.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from msn_core.corpus import load_corpus
 from msn_core.durable import lock_data_dir
-from msn_serve.indexes.build import load_corpus
 from msn_serve.indexes.config import IndexConfig
-from msn_serve.indexes.milvus import MilvusConnection, collection_name
-from msn_serve.indexes.milvus_copy import CopyError, copy_checked
+from msn_serve.indexes.milvus import MilvusConnection
+from msn_serve.indexes.milvus_copy import CopyError, copy_checked, milvus_steps, point
 
 
 def shards_to_milvus(embeddings: Path, data_dir: Path, name: str, uri: str, *, index_type: str, store_paths: bool,
@@ -30,11 +32,9 @@ def shards_to_milvus(embeddings: Path, data_dir: Path, name: str, uri: str, *, i
     meta: dict[int, Any] = {}
     if store_paths:
         base = Path(corpus.manifest.get("base") or corpus.root)
-        for s in corpus.shards:
-            for line in (corpus.root / s["paths"]).read_text().splitlines():
-                row = json.loads(line)
-                meta[int(row["id"])] = {"path": str(base / row["path"]),
-                                        **({"label": row["label"]} if row.get("label") is not None else {})}
+        for row in corpus.paths():
+            meta[int(row["id"])] = {"path": str(base / row["path"]),
+                                    **({"label": row["label"]} if row.get("label") is not None else {})}
     cfg = IndexConfig(dim=corpus.dim, type=index_type if index_type in ("ivf", "hnsw") else "flat",
                       model_id=str(corpus.manifest.get("model_id") or ""))
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -46,12 +46,15 @@ def shards_to_milvus(embeddings: Path, data_dir: Path, name: str, uri: str, *, i
     try:
         if (data_dir / "indexes" / name).exists():
             raise CopyError(f"index {name!r} exists on FAISS in {data_dir}; drop it first")
-        if name in conn.collections():
-            if not overwrite:
+        with milvus_steps(f"write index {name!r}"):
+            conn.finish_swaps()
+            conn.drop_orphans(name)
+            if conn.resolve(name) is not None and not overwrite:
                 raise CopyError(f"index {name!r} exists in {conn.describe()}; pass --overwrite-index to replace it")
-            conn.client.drop_collection(collection_name(name))
         idx = copy_checked(conn, name, cfg, str(corpus.manifest.get("feature") or ""), ids, vecs, meta)
-        idx.set_state("ready")
+        with milvus_steps(f"write index {name!r}"):
+            idx.set_state("ready")
+        point(conn, name, idx.collection)  # the old collection, if any, is dropped once the name has moved
     finally:
         conn.close()
         os.close(lock)

@@ -11,7 +11,8 @@ figures, the chosen parameters and query times are printed and stored in ``build
 The output is the :mod:`msn_serve.indexes.files` form (``config.json`` + ``index.faiss`` + ``state.npz``) in
 ``<data-dir>/indexes/<name>/``, written in a staging directory and swapped in (:func:`msn_core.durable.replace_dir`):
 ``kill -9`` at any moment leaves the old index or the new one there, never a mix (the next ``msn-index`` or
-``msn-serve`` finishes an interrupted swap before it reads the folder).
+``msn-serve`` finishes an interrupted swap before it reads the folder). The corpus is read by
+:func:`msn_core.corpus.load_corpus`; the command line is :mod:`msn_serve.indexes.cli`'s.
 """
 from __future__ import annotations
 
@@ -20,78 +21,23 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
 
+from msn_core.corpus import Corpus, load_corpus
 from msn_core.durable import lock_data_dir, recover_dir, replace_dir
 from msn_serve.errors import NAME_RE
-from msn_serve.indexes import migrate as migrate_cli
 from msn_serve.indexes.config import IndexConfig, search_params
 from msn_serve.indexes.files import write_index_dir
-from msn_serve.indexes.tuning import GB, Plan, choose, plans, select
+from msn_serve.indexes.tuning import GB, IndexChoice, choose, plans, select
 
 
 class BuildError(Exception):
     """Unusable input or options; reported as one line, exit status 2."""
-
-
-# ------------------------------------------------------------------------------------------------ reading shards
-
-
-@dataclass
-class Corpus:
-    root: Path
-    manifest: dict[str, Any]
-    shards: list[dict[str, Any]]
-    n: int
-    dim: int
-
-    def chunks(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``(ids, float32 vectors)`` per shard, memory-mapped from the ``.npy`` files."""
-        for s in self.shards:
-            vecs = np.load(self.root / s["embeddings"], mmap_mode="r")
-            ids = np.load(self.root / s["ids"])
-            yield ids, vecs
-
-    def rows(self, positions: np.ndarray) -> np.ndarray:
-        """Vectors at sorted global positions (shard order), gathered without loading everything."""
-        out, start = [], 0
-        for _, vecs in self.chunks():
-            sel = positions[(positions >= start) & (positions < start + len(vecs))] - start
-            if sel.size:
-                out.append(np.asarray(vecs[sel], dtype=np.float32))
-            start += len(vecs)
-        return np.concatenate(out) if out else np.zeros((0, self.dim), np.float32)
-
-
-def load_corpus(root: Path) -> Corpus:
-    path = root / "manifest.json"
-    if not path.is_file():
-        raise BuildError(f"{root}: no manifest.json (run msn-embed to completion first)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != "msn-embeddings":
-        raise BuildError(f"{path}: not an msn-embed manifest")
-    dim, shards, seen = int(manifest["dim"]), [s for s in manifest["shards"] if s["count"] > 0], []
-    for s in shards:
-        vecs = np.load(root / s["embeddings"], mmap_mode="r")
-        ids = np.load(root / s["ids"])
-        if vecs.ndim != 2 or vecs.shape != (s["count"], dim) or ids.shape != (s["count"],):
-            raise BuildError(f"{root / s['embeddings']}: shape {vecs.shape} / ids {ids.shape}, manifest says "
-                             f"({s['count']}, {dim})")
-        if not np.isfinite(vecs).all():
-            raise BuildError(f"{root / s['embeddings']}: contains NaN or infinity")
-        seen.append(ids)
-    all_ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
-    if all_ids.size == 0:
-        raise BuildError(f"{root}: no embeddings to index")
-    if all_ids.min() < 0 or np.unique(all_ids).size != all_ids.size:
-        raise BuildError(f"{root}: ids must be unique and non-negative")
-    return Corpus(root, manifest, shards, int(all_ids.size), dim)
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -175,7 +121,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             os.close(lock)
 
 
-def _candidates(args: argparse.Namespace, n: int, d: int) -> list[Plan]:
+def _candidates(args: argparse.Namespace, n: int, d: int) -> list[IndexChoice]:
     budget = args.memory_budget_gb * GB
     try:
         if args.index_type == "auto":
@@ -235,10 +181,8 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
               "(pass --deletes to choose among kinds that can)", file=sys.stderr)
     metadata: dict[int, Any] = {}
     if args.store_paths:
-        for s in corpus.shards:
-            for line in (corpus.root / s["paths"]).read_text().splitlines():
-                row = json.loads(line)
-                metadata[int(row["id"])] = {key: row[key] for key in ("path", "label") if row.get(key) is not None}
+        for row in corpus.paths():
+            metadata[int(row["id"])] = {key: row[key] for key in ("path", "label") if row.get(key) is not None}
         info["image_base"] = corpus.manifest.get("base")  # where the paths point (msn-index migrate re-embeds them)
     info.update(config=asdict(cfg), total_s=round(time.perf_counter() - t_start, 3))
     with replace_dir(out) as staging:  # the old index stays at ``out`` until the new one replaces it
@@ -247,57 +191,3 @@ def _build_index(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     info["index_file_bytes"] = (out / "index.faiss").stat().st_size
     info["out"] = str(out)
     return info
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="msn-index", description="Build FAISS indexes for msn-serve from msn-embed "
-                                "output (parameters chosen for a memory budget and a target recall), or migrate "
-                                "one to another model.")
-    sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="train, fill and write an index")
-    b.add_argument("--embeddings", type=Path, required=True, help="msn-embed output directory (manifest.json)")
-    b.add_argument("--out", type=Path, help="DATA_DIR/indexes/NAME")
-    b.add_argument("--data-dir", type=Path, help="msn-serve data directory (with --name)")
-    b.add_argument("--name", help="index name (with --data-dir)")
-    b.add_argument("--memory-budget-gb", type=float, default=16.0, help="RAM the index may use (default 16)")
-    b.add_argument("--target-recall", type=float, default=0.95, help="recall@k to reach vs exact search")
-    b.add_argument("--k", type=int, default=10, help="k for the recall measurement")
-    b.add_argument("--metric", choices=["ip", "l2"], default="ip", help="ip = cosine on normalised vectors")
-    b.add_argument("--index-type", choices=["auto", "flat", "ivf", "ivfpq", "ivfpq-rerank", "hnsw"], default="auto",
-                   help="auto: tune every candidate kind, keep the most queries/s at the target recall")
-    b.add_argument("--candidates", nargs="+", choices=["ivf", "ivfpq", "hnsw"], default=["ivf", "ivfpq"],
-                   help="kinds auto tries above --exact-below (ivfpq = re-ranked fast-scan IVF-PQ; hnsw builds "
-                        "slowly and is not memory-mapped)")
-    b.add_argument("--deletes", action="store_true", help="auto: only kinds that can delete vectors (flat, ivf)")
-    b.add_argument("--exact-below", type=int, default=100_000, help="flat below this many vectors (auto)")
-    b.add_argument("--queries", type=int, default=1000, help="held-out queries for tuning and timing")
-    b.add_argument("--hnsw-m", type=int, default=32)
-    b.add_argument("--ef-construction", type=int, default=80)
-    b.add_argument("--store-paths", action="store_true", help="keep each image's path/label as search metadata "
-                   "(Python objects in msn-serve: ~0.2-0.5 KB per vector)")
-    b.add_argument("--threads", type=int, default=0, help="FAISS OpenMP threads (0 = all cores)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
-    migrate_cli.add_parser(sub)
-    args = p.parse_args(argv)
-    if args.command == "migrate":
-        return migrate_cli.run(args)
-    if not 0 < args.target_recall <= 1 or args.memory_budget_gb <= 0 or args.k < 1 or args.queries < 1:
-        p.error("--target-recall must be in (0, 1], --memory-budget-gb > 0, --k and --queries >= 1")
-    try:
-        info = build(args)
-    except BuildError as e:
-        print(f"msn-index: error: {e}", file=sys.stderr)
-        return 2
-    plan = info["plan"]
-    print(f"msn-index: {info['n']} x {info['dim']} -> {plan['type']} (nlist={plan['nlist']}, pq_m={plan['pq_m']}; "
-          f"{plan['reason']}; {len(info['candidates'])} candidate(s) tuned), search param {info['search_param']}, "
-          f"recall@{args.k} {info['recall_at_k']}, "
-          f"{info['batch_ms_per_query']} ms/query batched, {info['single_ms_p50']} ms single (p50), "
-          f"{info['index_file_bytes'] / 1e6:.1f} MB on disk -> {info['out']}", file=sys.stderr)
-    print(json.dumps(info))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

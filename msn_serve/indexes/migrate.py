@@ -15,9 +15,10 @@ is changed, and the exit status is 1, unless ``--allow-partial`` writes the inde
 with the counts). The server must be stopped (the data directory's lock is taken).
 
 A Milvus index (:mod:`msn_serve.indexes.milvus`) is migrated the same way, into a new collection swapped in under
-its name (:mod:`msn_serve.indexes.milvus_copy`). ``--to milvus`` instead moves a FAISS index, as it is (ids,
-vectors, metadata, model), into a Milvus collection of the same name, checked id by id before the FAISS directory
-goes to the backups.
+its name by an alias (:mod:`msn_serve.indexes.milvus_copy`: the name resolves to the old collection or the new one,
+whole, at every step). ``--to milvus`` instead moves a FAISS index, as it is (ids, vectors, metadata, model), into a
+Milvus collection of the same name, checked id by id before the FAISS directory goes to the backups; a run killed
+midway is finished or redone by running it again.
 """
 from __future__ import annotations
 
@@ -170,9 +171,9 @@ def migrate(args: argparse.Namespace) -> int:
 def _to_milvus(path: Path, data_dir: Path, uri: str) -> int:
     from msn_serve.indexes.milvus_copy import CopyError, faiss_to_milvus
 
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not Path(uri).exists() and "://" not in uri:
         raise MigrateError(f"{path}: no FAISS index to move (expected DATA_DIR/indexes/NAME/config.json)")
-    try:
+    try:  # no FAISS directory: an earlier run may have moved it and been killed before marking the copy ready
         out = faiss_to_milvus(path, data_dir, uri)
     except CopyError as e:
         raise MigrateError(str(e)) from None

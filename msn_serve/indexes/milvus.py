@@ -4,10 +4,15 @@
 Milvus Lite file (``PATH.db``: the engine runs inside msn-serve; default ``<data-dir>/milvus.db``) or a server URL
 (``http://host:19530``); the same client code talks to both.
 
-Collection ``msn_<name>`` (``_`` ``.`` ``-`` in the name written ``_u`` ``_d`` ``_h``): ``id`` INT64 primary key,
-``vector`` FLOAT_VECTOR, ``meta`` VARCHAR (the metadata's JSON text, nullable). Its properties bind it like a FAISS
-index's ``config.json``: ``msn.config`` (the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's
-feature) and ``msn.index`` (the name). Adds are upserts, so a retried add never duplicates an id.
+An index ``<name>`` is found under ``msn_<name>`` (``_`` ``.`` ``-`` in the name written ``_u`` ``_d`` ``_h``):
+a collection of that name (what ``POST /index`` creates) or an alias pointing at one ``msn_<name>__v<time><hex>``
+(what the offline copies of :mod:`.milvus_copy` make, so that a copy is swapped in by moving the alias: the name
+always resolves to one whole collection). Fields: ``id`` INT64 primary key, ``vector`` FLOAT_VECTOR, ``meta`` VARCHAR
+(the metadata's JSON text, nullable). Its properties bind it like a FAISS index's ``config.json``: ``msn.config``
+(the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's feature), ``msn.index`` (the name) and
+``msn.state``: ``ready``, or ``migrating`` while ``msn-index migrate --to milvus`` has not finished, which is
+refused when opened (409 naming the command that finishes it). Adds are upserts, so a retried add never duplicates
+an id.
 
 Consistency and durability: collections are created with the **Strong** consistency level, so a search sees every
 acknowledged write. An insert is acknowledged by Milvus once it is in its write-ahead log (Milvus Lite: its WAL file,
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +50,8 @@ TOPK_MAX = 16_384  # Milvus' limit on k (and on queries per search)
 BATCH = 4096  # rows per get/iterator call
 UPSERT_BYTES = 32 * 2**20  # per upsert message: half Milvus' 64 MB insert cap, room for the encoding
 _ESCAPES = {"_": "_u", ".": "_d", "-": "_h"}
+GEN = "__v"  # physical collections behind an alias: msn_<name>__v<time><hex> (no escaped name contains "__v")
+BACKUP_PREFIX = "msnbak_"  # collections kept by msn-index migrate (not indexes)
 KINDS = {"flat": "FLAT", "ivf": "IVF_FLAT", "hnsw": "HNSW"}
 
 
@@ -64,6 +72,31 @@ def index_name(collection: str) -> str | None:
     for ch in rest:
         out.append(back.get(next(rest, ""), "?") if ch == "_" else ch)
     return "".join(out)
+
+
+def physical_name(name: str) -> str:
+    """A new collection for index ``name``, to be swapped in under :func:`collection_name` by an alias."""
+    return f"{collection_name(name)}{GEN}{time.strftime('%Y%m%d%H%M%S')}{secrets.token_hex(3)}"
+
+
+def physical_owner(collection: str) -> str | None:
+    """The index whose :func:`physical_name` ``collection`` is (None for anything else)."""
+    base, sep, _ = collection.rpartition(GEN)
+    name = index_name(base) if sep else None
+    return name if name is not None and collection_name(name) == base else None
+
+
+class NotReady(ApiError):
+    """409: the collection under an index's name is a copy ``msn-index migrate --to milvus`` has not finished."""
+
+    def __init__(self, name: str, props: dict[str, Any]):
+        source = props.get("msn.source") or "DATA_DIR/backups/indexes/"
+        super().__init__(409, f"index {name!r}: its Milvus collection is a copy `msn-index migrate --to milvus` "
+                         f"has not finished (msn.state {props.get('msn.state')!r}), so it is not served. To finish "
+                         f"it, run `msn-index migrate --data-dir DATA_DIR --name {name} --to milvus` again (while "
+                         f"DATA_DIR/indexes/{name} still exists, that redoes the copy); to undo it, move the FAISS "
+                         f"index it was copied from, {source}, back to DATA_DIR/indexes/{name} (a name on both "
+                         "backends is served from FAISS)")
 
 
 def check_spec(spec: dict[str, Any]) -> None:
@@ -116,14 +149,62 @@ class MilvusConnection:
     def describe(self) -> str:
         return f"Milvus Lite {self.uri}" if self.lite else "Milvus server"
 
+    def aliases(self) -> dict[str, str]:
+        """``{alias: collection}`` of our aliases (``msn_<name>``)."""
+        names = self.client.list_aliases().get("aliases", [])
+        return {a: self.client.describe_alias(a)["collection_name"] for a in names if a.startswith(PREFIX)}
+
+    def resolve(self, name: str) -> str | None:
+        """The collection index ``name`` is stored in: its alias' target, the collection of its name, or None."""
+        handle = collection_name(name)
+        target = self.aliases().get(handle)
+        if target is not None:
+            return target
+        return handle if handle in self.client.list_collections() else None
+
     def collections(self) -> dict[str, str]:
-        """``{index name: collection}`` of the indexes stored here."""
+        """``{index name: collection name or alias}`` of the indexes stored here (interrupted swaps finished)."""
+        self.finish_swaps()
         found = {}
-        for c in self.client.list_collections():
+        for c in [*self.client.list_collections(), *self.aliases()]:
             name = index_name(c)
             if name is not None and collection_name(name) == c:
                 found[name] = c
         return found
+
+    def orphans(self, name: str) -> list[str]:
+        """Collections of index ``name`` its name does not resolve to: an interrupted copy, or the old collection
+        of a finished swap not yet dropped. Only the offline commands drop them (:meth:`drop_orphans`)."""
+        current = self.resolve(name)
+        return [c for c in self.client.list_collections() if physical_owner(c) == name and c != current]
+
+    def drop_orphans(self, name: str) -> None:
+        for c in self.orphans(name):
+            log.warning("index %s: dropping collection %s (left by an interrupted copy or swap)", name, c)
+            self.client.drop_collection(c)
+
+    def finish_swaps(self) -> None:
+        """Finish a swap killed between renaming a collection away from an index's name and pointing the name's
+        alias at its replacement: the replacement carries the record (``msn.swap``, written before the rename)."""
+        from pymilvus.exceptions import MilvusException
+
+        aliased = set(self.aliases().values())
+        present = set(self.client.list_collections())
+        for c in sorted(present, reverse=True):  # the newest copy first
+            name = physical_owner(c)
+            if name is None or c in aliased or self.resolve(name) is not None:
+                continue
+            record = self.client.describe_collection(c).get("properties", {}).get("msn.swap")
+            old = json.loads(record).get("old") if record else None
+            if old not in present:  # no record, or the rename never happened (the index was dropped since)
+                continue
+            log.warning("index %s: finishing an interrupted swap (its name now points at %s)", name, c)
+            try:
+                self.client.create_alias(c, collection_name(name))
+                if json.loads(record).get("drop"):
+                    self.client.drop_collection(old)
+            except MilvusException as e:  # another process (a shared server) finished it first
+                log.warning("index %s: could not finish the swap (%s)", name, getattr(e, "message", e))
 
     def close(self) -> None:
         """Close the client; Milvus Lite's engine (in this process) is stopped too, releasing its file."""
@@ -168,7 +249,8 @@ class MilvusIndex:
         self._meta_bytes: dict[int, int] = {}  # id -> bytes of its metadata (ids with some)
         self.lock = threading.RLock()
         self.meta_total = 0
-        self.seq, self.created, self.closed, self.state = 0, time.time(), False, "ready"
+        self.seq, self.created, self.closed = 0, time.time(), False
+        self.physical = self.collection  # the collection behind the name (an alias') when opened
 
     @property
     def name(self) -> str:
@@ -199,8 +281,10 @@ class MilvusIndex:
     # ---- create, open, drop, close --------------------------------------------------------------------------
     @classmethod
     def create(cls, conn: MilvusConnection, name: str, cfg: IndexConfig, *, feature: str = "",
-               state: str = "ready", collection: str | None = None) -> MilvusIndex:
-        """A new collection (``collection``: another name than the index's, for a copy swapped in later)."""
+               state: str = "ready", collection: str | None = None,
+               properties: dict[str, str] | None = None) -> MilvusIndex:
+        """A new collection (``collection``: a :func:`physical_name`, for a copy swapped in later by an alias;
+        ``properties``: more of them, e.g. ``msn.source``)."""
         from pymilvus import DataType
 
         c, coll = conn.client, collection or collection_name(name)
@@ -217,7 +301,7 @@ class MilvusIndex:
                          params=extra.get(cfg.type, {}))
         with milvus_errors(f"create index {name!r}"):
             c.create_collection(coll, schema=schema, consistency_level="Strong",
-                                properties=_properties(name, cfg, feature, state))
+                                properties={**_properties(name, cfg, feature, state), **(properties or {})})
             # not waited for: pymilvus' wait asks for a timestamp Milvus Lite does not serve (an error logged and
             # half a second lost per create); loading the collection waits for the index anyway
             c.create_index(coll, params, sync=False)
@@ -226,17 +310,23 @@ class MilvusIndex:
 
     @classmethod
     def open(cls, conn: MilvusConnection, name: str) -> MilvusIndex:
-        """Load a collection and (Milvus Lite: this process is its only writer) read its ids and metadata sizes;
-        raises when it is not one of ours. On a server the engine is asked instead, so opening reads nothing per
-        item however large the collection."""
+        """Load the collection ``name`` resolves to and (Milvus Lite: this process is its only writer) read its ids
+        and metadata sizes; raises when it is not one of ours, 404 when there is none and :class:`NotReady` (409)
+        when it is an unfinished copy. On a server the engine is asked instead, so opening reads nothing per item
+        however large the collection. Reads and writes go through the name (an alias follows a swap)."""
         c, coll = conn.client, collection_name(name)
-        props = c.describe_collection(coll).get("properties", {})
+        physical = conn.resolve(name)
+        if physical is None:
+            raise not_found(f"no index {name!r} in {conn.describe()}")
+        props = c.describe_collection(physical).get("properties", {})
         if "msn.config" not in props:
-            raise ValueError(f"collection {coll!r} has no msn.config property: not an msn-serve index")
+            raise ValueError(f"collection {physical!r} has no msn.config property: not an msn-serve index")
+        if props.get("msn.state", "ready") != "ready":
+            raise NotReady(name, props)
         cfg = IndexConfig(**json.loads(props["msn.config"]))
         c.load_collection(coll)
         idx = cls(conn, name, cfg, feature=props.get("msn.feature", ""))
-        idx.state = props.get("msn.state", "ready")
+        idx.physical = physical
         if not conn.lite:
             return idx
         it = c.query_iterator(coll, batch_size=BATCH, filter="id >= 0", output_fields=["id", "meta"])
@@ -258,8 +348,12 @@ class MilvusIndex:
             self.client.load_collection(self.collection)  # altering releases it on Milvus Lite
 
     def drop(self) -> None:
+        """Drop the name (the alias first: a Milvus server refuses to drop an aliased collection) and its data."""
         with self.lock, milvus_errors(f"delete index {self.name!r}"):
-            self.client.drop_collection(self.collection)
+            target = self.conn.aliases().get(self.collection)
+            if target is not None:
+                self.client.drop_alias(self.collection)
+            self.client.drop_collection(target or self.collection)
             self.closed = True
 
     def flush(self) -> None:
@@ -404,7 +498,8 @@ class MilvusIndex:
                     "with_metadata": len(self._meta_bytes) if self.conn.lite else None,
                     "metadata_bytes": self.meta_total if self.conn.lite else None,
                     "wal_bytes": 0, "seq": self.seq,
-                    "milvus": {"collection": self.collection, "feature": self.feature, "consistency": "Strong",
+                    "milvus": {"collection": self.collection, "physical": self.physical, "feature": self.feature,
+                               "consistency": "Strong",
                                "lite": self.conn.lite},
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
                     else "squared L2 distance (lower is closer)"}

@@ -23,7 +23,7 @@ import numpy as np
 
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
 
-__all__ = ["Plan", "Tuned", "choose", "estimate_bytes", "evaluate", "index_bytes", "nlist_for", "plans", "recall",
+__all__ = ["IndexChoice", "Tuned", "choose", "estimate_bytes", "evaluate", "index_bytes", "nlist_for", "plans", "recall",
            "select", "tune_knob"]
 
 GB = 1e9
@@ -33,7 +33,10 @@ K_FACTORS = (2, 4, 8, 16, 32)  # re-ranked IVF-PQ: candidates re-ranked per resu
 
 
 @dataclass
-class Plan:
+class IndexChoice:
+    """One candidate index: its FAISS kind and sizes, estimated memory and why it is a candidate. Not called a
+    plan (the project's word for a pretraining recipe); reports and ``build_info.json`` keep the key ``plan`` for it."""
+
     type: str
     nlist: int = 0
     pq_m: int = 0
@@ -82,33 +85,33 @@ def estimate_bytes(kind: str, n: int, d: int, *, nlist: int = 0, pq_m: int = 0, 
 
 
 def plans(n: int, d: int, budget: float, *, exact_below: int, deletes: bool = True,
-          kinds: Sequence[str] = ("ivf", "ivfpq", "hnsw"), hnsw_m: int = 32) -> list[Plan]:
+          kinds: Sequence[str] = ("ivf", "ivfpq", "hnsw"), hnsw_m: int = 32) -> list[IndexChoice]:
     """Candidates for N x D vectors within ``budget`` bytes (see the module docstring)."""
     flat = estimate_bytes("flat", n, d)
     if n < exact_below and flat <= budget:
-        return [Plan("flat", bytes_estimate=flat, reason=f"N={n} < {exact_below}: exact search")]
+        return [IndexChoice("flat", bytes_estimate=flat, reason=f"N={n} < {exact_below}: exact search")]
     nlist, out = nlist_for(n), []
     if "ivf" in kinds and (b := estimate_bytes("ivf", n, d, nlist=nlist)) <= budget:
-        out.append(Plan("ivf", nlist, bytes_estimate=b, reason="IVF-Flat"))
+        out.append(IndexChoice("ivf", nlist, bytes_estimate=b, reason="IVF-Flat"))
     if not deletes:
         m = fastscan_m(d)
         if "ivfpq" in kinds and (b := estimate_bytes("ivfpq", n, d, nlist=nlist, pq_m=m, k_factor=1,
                                                      fastscan=True)) <= budget:
-            out.append(Plan("ivfpq", nlist, m, k_factor=1, fastscan=True, bytes_estimate=b,
+            out.append(IndexChoice("ivfpq", nlist, m, k_factor=1, fastscan=True, bytes_estimate=b,
                             reason=f"IVF-PQ{m}x4 fast-scan, re-ranked exactly"))
         if "hnsw" in kinds and (b := estimate_bytes("hnsw", n, d, hnsw_m=hnsw_m)) <= budget:
-            out.append(Plan("hnsw", hnsw_m=hnsw_m, bytes_estimate=b, reason=f"HNSW{hnsw_m}"))
+            out.append(IndexChoice("hnsw", hnsw_m=hnsw_m, bytes_estimate=b, reason=f"HNSW{hnsw_m}"))
     if not out:
         for m in (m for m in PQ_CHOICES if d % m == 0 and m <= d):
             if (b := estimate_bytes("ivfpq", n, d, nlist=nlist, pq_m=m)) <= budget:
-                return [Plan("ivfpq", nlist, m, bytes_estimate=b,
+                return [IndexChoice("ivfpq", nlist, m, bytes_estimate=b,
                              reason=f"raw vectors exceed {budget / GB:g} GB: largest PQ code that fits")]
         raise ValueError(f"{n} x {d} vectors do not fit {budget / GB:g} GB even as the smallest PQ code")
     return out
 
 
-def choose(n: int, d: int, budget: float, *, exact_below: int, kind: str = "auto", hnsw_m: int = 32) -> Plan:
-    """One plan: ``auto`` -> the first candidate of :func:`plans` (what memory alone decides); else ``kind``."""
+def choose(n: int, d: int, budget: float, *, exact_below: int, kind: str = "auto", hnsw_m: int = 32) -> IndexChoice:
+    """One candidate: ``auto`` -> the first of :func:`plans` (what memory alone decides); else ``kind``."""
     if kind == "auto":
         return plans(n, d, budget, exact_below=exact_below, hnsw_m=hnsw_m)[0]
     nlist = nlist_for(n)
@@ -117,19 +120,19 @@ def choose(n: int, d: int, budget: float, *, exact_below: int, kind: str = "auto
         if not pq:
             raise ValueError(f"no PQ code size in {PQ_CHOICES} divides dim {d}")
         m = next((m for m in pq if estimate_bytes("ivfpq", n, d, nlist=nlist, pq_m=m) <= budget), pq[-1])
-        return Plan("ivfpq", nlist, m, bytes_estimate=estimate_bytes("ivfpq", n, d, nlist=nlist, pq_m=m),
+        return IndexChoice("ivfpq", nlist, m, bytes_estimate=estimate_bytes("ivfpq", n, d, nlist=nlist, pq_m=m),
                     reason="requested")
     if kind == "ivfpq-rerank":
         m = fastscan_m(d)
-        return Plan("ivfpq", nlist, m, k_factor=1, fastscan=True, reason="requested", bytes_estimate=estimate_bytes(
+        return IndexChoice("ivfpq", nlist, m, k_factor=1, fastscan=True, reason="requested", bytes_estimate=estimate_bytes(
             "ivfpq", n, d, nlist=nlist, pq_m=m, k_factor=1, fastscan=True))
-    return Plan(kind, nlist if kind == "ivf" else 0, hnsw_m=hnsw_m, reason="requested",
+    return IndexChoice(kind, nlist if kind == "ivf" else 0, hnsw_m=hnsw_m, reason="requested",
                 bytes_estimate=estimate_bytes(kind, n, d, nlist=nlist, hnsw_m=hnsw_m))
 
 
-def config_for(plan: Plan, base: IndexConfig) -> IndexConfig:
-    return replace(base, type=plan.type, nlist=max(1, plan.nlist or base.nlist), pq_m=plan.pq_m, m=plan.hnsw_m,
-                   k_factor=plan.k_factor, fastscan=plan.fastscan)
+def config_for(choice: IndexChoice, base: IndexConfig) -> IndexConfig:
+    return replace(base, type=choice.type, nlist=max(1, choice.nlist or base.nlist), pq_m=choice.pq_m,
+                   m=choice.hnsw_m, k_factor=choice.k_factor, fastscan=choice.fastscan)
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -188,38 +191,38 @@ class Tuned:
     curve: list[dict[str, Any]] = field(default_factory=list)
     build_s: float = 0.0
 
-    def report(self, plan: Plan) -> dict[str, Any]:
+    def report(self, choice: IndexChoice) -> dict[str, Any]:
         c = self.config
         knobs = {"ef_search": c.ef_search} if c.type == "hnsw" else {"nprobe": c.nprobe} if c.type != "flat" else {}
         if c.k_factor:
             knobs["k_factor"] = c.k_factor
-        return {"plan": asdict(plan), **knobs, "recall": round(self.recall, 4), "qps": round(self.qps, 1),
+        return {"plan": asdict(choice), **knobs, "recall": round(self.recall, 4), "qps": round(self.qps, 1),
                 "memory_bytes": index_bytes(self.index), "build_s": round(self.build_s, 2), "tuning": self.curve}
 
 
-def evaluate(plan: Plan, base: IndexConfig, train: np.ndarray, fill: Callable[[faiss.Index], None],
+def evaluate(choice: IndexChoice, base: IndexConfig, train: np.ndarray, fill: Callable[[faiss.Index], None],
              q: np.ndarray, truth: np.ndarray, target: float) -> Tuned:
-    """Build ``plan`` (train on ``train``, ``fill`` adds every vector), tune it on ``q`` against ``truth``."""
+    """Build ``choice`` (train on ``train``, ``fill`` adds every vector), tune it on ``q`` against ``truth``."""
     k = truth.shape[1]
-    cfg = config_for(plan, base)
+    cfg = config_for(choice, base)
     t0 = time.perf_counter()
     index = build_index(cfg)
-    if plan.type not in ("flat", "hnsw"):
+    if choice.type not in ("flat", "hnsw"):
         index.train(train)
     fill(index)
     build_s = time.perf_counter() - t0
-    if plan.type == "flat":
+    if choice.type == "flat":
         found = index.search(q, k)[1]
         return Tuned(cfg, index, recall(found, truth), qps(index, q, k, None), [], build_s)
     best: Tuned | None = None
-    for kf in (K_FACTORS if plan.k_factor else (0,)):
+    for kf in (K_FACTORS if choice.k_factor else (0,)):
         trial = replace(cfg, k_factor=kf)
-        knob = "ef_search" if plan.type == "hnsw" else "nprobe"
+        knob = "ef_search" if choice.type == "hnsw" else "nprobe"
 
         def measure(v: int, trial: IndexConfig = trial, knob: str = knob) -> float:
             return recall(index.search(q, k, params=search_params(replace(trial, **{knob: v}), k))[1], truth)
 
-        lo, hi = (k, 4096) if plan.type == "hnsw" else (1, cfg.nlist)
+        lo, hi = (k, 4096) if choice.type == "hnsw" else (1, cfg.nlist)
         value, rec, tried = tune_knob(measure, target, lo, hi)
         tuned = replace(trial, **{knob: value})
         speed = qps(index, q, k, search_params(tuned, k))
@@ -238,17 +241,17 @@ def _better(a: Tuned, b: Tuned, target: float) -> bool:
     return a.qps > b.qps if a.recall >= target else a.recall > b.recall
 
 
-def select(candidates: Sequence[Plan], base: IndexConfig, train: np.ndarray, fill: Callable[[faiss.Index], None],
+def select(candidates: Sequence[IndexChoice], base: IndexConfig, train: np.ndarray, fill: Callable[[faiss.Index], None],
            q: np.ndarray, truth: np.ndarray, target: float) -> tuple[Tuned, list[dict[str, Any]]]:
-    """Evaluate every plan; return the best and every candidate's report (best first)."""
-    best, best_plan, reports = None, None, []
-    for plan in candidates:
-        tuned = evaluate(plan, base, train, fill, q, truth, target)
-        reports.append(tuned.report(plan))
+    """Evaluate every candidate; return the best and every candidate's report (best first)."""
+    best, best_choice, reports = None, None, []
+    for choice in candidates:
+        tuned = evaluate(choice, base, train, fill, q, truth, target)
+        reports.append(tuned.report(choice))
         if best is None or _better(tuned, best, target):
-            best, best_plan = tuned, plan
+            best, best_choice = tuned, choice
         else:
             del tuned  # keep one built candidate in memory at a time
-    assert best is not None and best_plan is not None
-    reports.sort(key=lambda r: r["plan"] != asdict(best_plan))
+    assert best is not None and best_choice is not None
+    reports.sort(key=lambda r: r["plan"] != asdict(best_choice))
     return best, reports

@@ -73,7 +73,7 @@ def test_glyphs_are_neither_blank_nor_clipped(data: Path) -> None:
 
 
 def test_the_trainer_lists_the_nested_folder_as_unlabelled_images(data: Path) -> None:
-    from training.sources import list_images
+    from msn_core.sources import list_images
 
     nested = list_images("auto", data / "nested", split="train")  # what pretrain.py --data DIR does
     flat = list_images("auto", data / "flat", split="train")

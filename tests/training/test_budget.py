@@ -15,7 +15,7 @@ import torch
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, load_config
 from training.run.budget import BudgetResizer, calibrate_budget, steps_for_budget
-from training.run.length import RunLength, RunSchedule
+from training.run.length import RunLength, RunSchedule, StoredLength
 from training.run.schedules import ResizedSchedules, Schedules
 
 from .test_pretrain import _args, _env
@@ -100,7 +100,7 @@ def test_run_length_is_decided_once_from_checkpoint_step_count_or_epochs():
 
     def length(overrides, stored=None):
         cfg = load_config(None, ["data.source=synthetic", "optim.epochs=10", "optim.warmup_epochs=2", *overrides])
-        entries = None if stored is None else {"total_steps": stored, "run_length": None}
+        entries = None if stored is None else StoredLength.read({"total_steps": stored, "run_length": None})
         return decide_run_length(SimpleNamespace(cfg=cfg, steps_per_epoch=5), stored=entries, started_at=0.0), cfg
 
     assert length([])[0] == RunLength(50, 10, 50, "optim.epochs")  # official: warm-up in epochs
@@ -239,9 +239,24 @@ def test_stored_length_rebuilds_the_same_schedules():
     entries = schedule.checkpoint_entries()
     assert entries["total_steps"] == schedule.length.total_steps
     assert entries["run_length"]["budget_seconds_used"] == pytest.approx(clock.now)
-    rebuilt = ResizedSchedules(_base(entries["run_length"]["planned_total"], entries["run_length"]["warmup_steps"]),
-                               tuple(tuple(r) for r in entries["run_length"]["replans"]))
+    stored = StoredLength.read(entries)
+    assert stored is not None and stored.resizes == schedule.schedules.resizes
+    rebuilt = ResizedSchedules(_base(stored.first_total_steps, stored.warmup_steps), stored.resizes)
     assert all(rebuilt.at(i) == schedule.schedules.at(i) for i in range(schedule.length.total_steps))
+
+
+def test_checkpoints_of_earlier_formats_still_give_their_length():
+    """Before "plan" meant only the recipe the run length was stored as ``planned_total`` and ``replans``; before
+    resizing, as ``total_steps`` alone; before budgets, not at all. Each still resumes with the same length."""
+    current = {"total_steps": 900, "run_length": {"first_total_steps": 1000, "warmup_steps": 100,
+                                                  "resizes": [[200, 950], [400, 900]], "budget_seconds_used": 42.0}}
+    earlier = {"total_steps": 900, "run_length": {"planned_total": 1000, "warmup_steps": 100,
+                                                  "replans": [[200, 950], [400, 900]], "budget_seconds_used": 42.0}}
+    expected = StoredLength(1000, 100, ((200, 950), (400, 900)), 42.0)
+    assert StoredLength.read(current) == StoredLength.read(earlier) == expected
+    assert expected.entries() == current["run_length"]
+    assert StoredLength.read({"total_steps": 80, "run_length": None}) == StoredLength(80)
+    assert StoredLength.read({"total_steps": None}) is None and StoredLength.read(None) is None
 
 
 def test_resumed_budget_spends_only_what_is_left():
@@ -274,10 +289,10 @@ def test_budget_resume_keeps_the_stored_resizes(tmp_path):
     # keeps the first length's total and warm-up, and stores its resize after the old ones.
     _pretrain(tmp_path, ["optim.budget_minutes=1", "run.max_steps=4"])
     first = load_checkpoint(tmp_path / "checkpoint.pt")
-    first_total = first["run_length"]["planned_total"]
+    first_total = first["run_length"]["first_total_steps"]
     _pretrain(tmp_path, [f"optim.budget_minutes={(first['run_length']['budget_seconds_used'] + 3) / 60}"],
               resume=True)
     second = load_checkpoint(tmp_path / "checkpoint.pt")
-    assert second["run_length"]["planned_total"] == first_total
+    assert second["run_length"]["first_total_steps"] == first_total
     assert second["run_length"]["warmup_steps"] == first["run_length"]["warmup_steps"]
-    assert second["run_length"]["replans"] and second["step"] == second["total_steps"] < first_total
+    assert second["run_length"]["resizes"] and second["step"] == second["total_steps"] < first_total

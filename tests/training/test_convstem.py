@@ -22,8 +22,8 @@ from training.model.load import load_encoder, load_trunk, trunk_keys
 from training.model.msn import build_networks, ema_update
 from training.model.stem import ConvStem, default_conv_stem
 from training.model.vit import VisionTransformer, build_encoder, encoder_kwargs, parse_official_arch
-from training.pretrain import Checkpoints
 from training.run.build import build_run
+from training.run.checkpoints import Checkpoints
 from training.run.schedules import StepHyperparameters
 from training.run.state import Progress, TrainState
 from training.run.step import train_step

@@ -139,19 +139,19 @@ def test_pretrain_plans_from_data_records_the_plan_and_set_wins(tmp_path):
     _write_images(tmp_path / "images")
     args = parse_args(["--output-dir", str(tmp_path / "run"), "--data", str(tmp_path / "images"), "--budget", "10m",
                        "--set", "optim.lr=3e-4"])
-    cfg = resolve_config(args)
+    cfg, plan = resolve_config(args)
     assert cfg.optim.budget_minutes == 10 and cfg.optim.lr == 3e-4 and cfg.model.image_size == 32  # median 30 px
     assert cfg.model.arch == "vit_tiny" and cfg.model.depth == 4 and cfg.model.patch_size == 8
-    assert args.plan.reasons["optim.lr"] == "set by you" and cfg.optim.start_lr == 2e-4
-    dump_config(cfg, tmp_path / "config.yaml", plan=args.plan.record())
+    assert plan is not None and plan.reasons["optim.lr"] == "set by you" and cfg.optim.start_lr == 2e-4
+    dump_config(cfg, tmp_path / "config.yaml", plan=plan.record())
     recorded = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert "square-root" not in recorded["plan"]["why"]["optim.lr"] and "model.image_size" in recorded["plan"]["why"]
     assert load_config(tmp_path / "config.yaml") == cfg  # the plan section is a record that loading skips
     # A recipe is not re-planned; --budget / --epochs are short forms of the length keys.
     recipe = str(CONFIGS / "fmnist_vit_tiny.yaml")
-    cfg = resolve_config(parse_args(["--output-dir", "o", "--config", recipe, "--epochs", "3"]))
-    assert (cfg.optim.epochs, cfg.optim.budget_minutes) == (3, None)
-    cfg = resolve_config(parse_args(["--output-dir", "o", "--config", recipe, "--budget", "2h"]))
+    cfg, plan = resolve_config(parse_args(["--output-dir", "o", "--config", recipe, "--epochs", "3"]))
+    assert (cfg.optim.epochs, cfg.optim.budget_minutes, plan) == (3, None, None)
+    cfg, _ = resolve_config(parse_args(["--output-dir", "o", "--config", recipe, "--budget", "2h"]))
     assert cfg.optim.budget_minutes == 120
     with pytest.raises(ConfigError, match="not both"):
         resolve_config(parse_args(["--output-dir", "o", "--config", recipe, "--budget", "2h", "--epochs", "3"]))

@@ -6,7 +6,6 @@ shortened to one warm-up step and three windows of one step per precision, to ke
 """
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 
 import pytest
@@ -129,12 +128,13 @@ def test_the_faster_is_kept_and_trains_the_weights_it_would_set_explicitly(bf16_
 
 
 def test_config_yaml_records_the_resolved_precision_and_the_measurement(tmp_path):
-    from training.pretrain import keep_precision
+    from training.pretrain import keep_precision, write_run_config
 
     run = _run()
     choice = PrecisionChoice("auto", "fp32", "the faster of fp32 1600 and bf16 800 images/s, timed",
                              {"fp32": 0.01, "bf16": 0.02}, global_batch=16, steps=36, seconds=5.0)
-    keep_precision(run, choice, argparse.Namespace(plan=None, output_dir=tmp_path))
+    keep_precision(run, choice, None)
+    write_run_config(run.cfg, tmp_path, None, choice)
     assert run.precision == "fp32" and run.autocast is not None
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written["run"]["precision"] == "fp32"

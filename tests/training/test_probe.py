@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
+from msn_core.sources import SourceError
 from training.data import SyntheticDataset
 from training.model.vit import build_encoder
 from training.run.probe import KnnProbe, ProbeImages, probe_images
-from training.sources import SourceError
 
 REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = str(REPO / "training" / "pretrain.py")

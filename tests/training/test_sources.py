@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from msn_core.bundle import Preprocessing
+from msn_core.sources import SourceError, SourceNotFound, list_images, read_file_list, relabel
 from training.data import ImageListDataset, build_dataset, build_loader, load_image, pil_to_tensor
-from training.sources import SourceError, SourceNotFound, list_images, read_file_list, relabel
 
 from .test_pretrain import PRETRAIN, TINY, _env
 

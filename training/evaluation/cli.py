@@ -6,7 +6,7 @@
     msn-eval linear --bundle bundles/demo --data fashion-mnist
     msn-eval robustness --bundle bundles/demo --data fashion-mnist --ratios 0.15 0.3 0.5 0.7 0.9
 
-``--data`` is ``fashion-mnist``, ``synthetic``, or labelled images (``training/sources.py``): a folder with ``train/``
+``--data`` is ``fashion-mnist``, ``synthetic``, or labelled images (``msn_core/sources.py``): a folder with ``train/``
 and ``val/`` (or ``test/``) subfolders, each ``<class>/<image>``, or one labelled folder or file list (``path label``
 lines, or CSV ``path,label``) for the training images with ``--test-data`` naming the test images the same way:
 
@@ -28,6 +28,14 @@ import numpy as np
 
 from msn_core.bundle import BundleError, load_bundle_info
 from msn_core.features import FEATURE_PATTERNS
+from msn_core.sources import (
+    MEMORY_SOURCES,
+    SPLIT_FOLDERS,
+    SourceError,
+    SourceListing,
+    list_images,
+    relabel,
+)
 from training.evaluation import splits as split_files
 from training.evaluation.features import (
     BACKENDS,
@@ -40,14 +48,6 @@ from training.evaluation.knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_accuracy
 from training.evaluation.linear_probe import train_linear_probe
 from training.evaluation.lowshot import DEFAULT_LAMBD, LAMBD_SWEEP, LowShotResult, summarize
 from training.evaluation.robustness import DEFAULT_RATIOS, masked_lowshot, similarity_by_ratio
-from training.sources import (
-    MEMORY_SOURCES,
-    SPLIT_FOLDERS,
-    SourceError,
-    SourceListing,
-    list_images,
-    relabel,
-)
 
 REPO_SPLITS = split_files.REPO_SPLITS
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "msn-eval"

@@ -1,8 +1,9 @@
 """How long a pretraining run is, and the schedules sized by it: decided before the loop, resized by a budget.
 
 A run's length is ``RunLength``: the schedules' total steps and warm-up steps, and the step the loop stops at.
-``decide_run_length`` is the only place that reads ``optim.epochs``, ``optim.total_steps``,
-``optim.budget_minutes``, ``optim.warmup_epochs`` and ``run.max_steps`` to fix it, in this order:
+This module is the only place that reads ``optim.epochs``, ``optim.total_steps``, ``optim.budget_minutes``,
+``optim.warmup_epochs`` and ``run.max_steps`` to fix it (``decide_run_length``; ``config_total_steps`` holds the
+config's part of the rule, which ``training/run/precision_timing.py`` also asks before any timing), in this order:
 
 1. a resumed checkpoint's stored length (so ``--resume`` follows the same schedules, budget or not);
 2. ``optim.total_steps``;
@@ -16,7 +17,8 @@ into the cosine learning-rate, weight-decay and EMA schedules, which therefore e
 
 ``RunSchedule`` is what the loop holds: the length and the schedules, and for a budget run the ``BudgetResizer``
 that moves the end (and stretches the schedules) when the measured step time says the budget buys more or fewer
-steps. ``RunSchedule.checkpoint_entries`` is what a checkpoint stores of it.
+steps. ``RunSchedule.checkpoint_entries`` is what a checkpoint stores of it; ``StoredLength.read`` reads it back,
+from checkpoints of every earlier format too.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from training.run.build import Run
 from training.run.schedules import ResizedSchedules, Schedules
 from training.run.step import start_hyperparameters, train_step
 
-__all__ = ["RunLength", "RunSchedule", "build_schedules", "decide_run_length", "schedule_run"]
+__all__ = ["RunLength", "RunSchedule", "StoredLength", "build_schedules", "config_stop_step", "config_total_steps",
+           "decide_run_length", "schedule_run"]
 
 log = logging.getLogger("msn.train")
 
@@ -52,29 +55,76 @@ class RunLength:
         return f"{self.total_steps} steps ({self.warmup_steps} warm-up) from {self.decided_by}{stop}"
 
 
-def decide_run_length(run: Run, *, stored: dict[str, Any] | None, started_at: float,
+@dataclass(frozen=True)
+class StoredLength:
+    """The run length a checkpoint stores: the first length's total and warm-up, a budget run's resizes
+    (``(step, new total)`` pairs) and the seconds of budget used (None without a budget). ``warmup_steps`` is None
+    only for checkpoints written before resizing, which stored the total alone: their warm-up follows the config's
+    rule again."""
+
+    first_total_steps: int
+    warmup_steps: int | None = None
+    resizes: tuple[tuple[int, int], ...] = ()
+    budget_seconds_used: float | None = None
+
+    def entries(self) -> dict[str, Any]:
+        """The checkpoint's ``run_length`` entry (plain lists and numbers: it loads with ``weights_only``)."""
+        return {"first_total_steps": self.first_total_steps, "warmup_steps": self.warmup_steps,
+                "resizes": [list(r) for r in self.resizes], "budget_seconds_used": self.budget_seconds_used}
+
+    @classmethod
+    def read(cls, checkpoint: dict[str, Any] | None) -> StoredLength | None:
+        """The length stored in ``checkpoint`` (or in its ``total_steps`` and ``run_length`` entries alone), in every
+        format written so far; None when it stores none (written before budgets existed)."""
+        checkpoint = checkpoint or {}
+        recorded = checkpoint.get("run_length")
+        if recorded is None:  # written before resizing: the total alone
+            total = checkpoint.get("total_steps")
+            return None if total is None else cls(int(total))
+        # written before "plan" meant only the recipe: planned_total and replans
+        first = recorded.get("first_total_steps", recorded.get("planned_total"))
+        resizes = recorded.get("resizes", recorded.get("replans")) or ()
+        return cls(int(first), recorded["warmup_steps"], tuple((int(step), int(total)) for step, total in resizes),
+                   recorded.get("budget_seconds_used"))
+
+
+def config_total_steps(cfg: Config, steps_per_epoch: int) -> tuple[int | None, str]:
+    """The run's total steps as the config sets them, and the key that set them: ``optim.total_steps`` over
+    ``optim.budget_minutes`` over ``optim.epochs``. None for a budget: only timing steps can size it."""
+    optim = cfg.optim
+    if optim.total_steps is not None:
+        return optim.total_steps, "optim.total_steps"
+    if optim.budget_minutes is not None:
+        return None, "optim.budget_minutes"
+    return optim.epochs * steps_per_epoch, "optim.epochs"
+
+
+def config_stop_step(cfg: Config, steps_per_epoch: int) -> int | None:
+    """The step a fresh run will stop at as far as the config says before any timing (``run.max_steps`` cuts it);
+    None: a budget decides. What ``run.precision: auto`` weighs its timing's cost against."""
+    total, _ = config_total_steps(cfg, steps_per_epoch)
+    max_steps = cfg.run.max_steps
+    return total if max_steps is None else min(total or max_steps, max_steps)
+
+
+def decide_run_length(run: Run, *, stored: StoredLength | None, started_at: float,
                       seconds_per_step: float | None = None) -> RunLength:
-    """The run's first length, from a resumed checkpoint's entries (``RunSchedule.checkpoint_entries``), the config,
-    or a timed budget. ``started_at`` is the ``time.monotonic()`` reading the budget counts from. With a budget
-    this runs (and undoes) a few optimiser steps, so every rank must call it, unless ``seconds_per_step`` (the rate
-    ``run.precision: auto`` measured for the chosen precision on these same steps) already says it."""
+    """The run's first length, from a resumed checkpoint's (``stored``), the config, or a timed budget.
+    ``started_at`` is the ``time.monotonic()`` reading the budget counts from. With a budget this runs (and undoes)
+    a few optimiser steps, so every rank must call it, unless ``seconds_per_step`` (the rate ``run.precision: auto``
+    measured for the chosen precision on these same steps) already says it."""
     cfg, steps_per_epoch = run.cfg, run.steps_per_epoch
     optim = cfg.optim
-    first_length = (stored or {}).get("run_length")
-    stored_total = (stored or {}).get("total_steps")
-    if first_length is not None:
-        total_steps, decided_by = first_length["planned_total"], "checkpoint"
-    elif stored_total is not None:  # checkpoints written before resizing stored only the count
-        total_steps, decided_by = stored_total, "checkpoint"
-    elif optim.total_steps is not None:
-        total_steps, decided_by = optim.total_steps, "optim.total_steps"
-    elif optim.budget_minutes is not None:
-        total_steps, decided_by = _steps_in_budget(run, started_at, seconds_per_step), "optim.budget_minutes"
+    configured, decided_by = config_total_steps(cfg, steps_per_epoch)
+    counted_in_epochs = decided_by == "optim.epochs"
+    if stored is not None:
+        total_steps, decided_by = stored.first_total_steps, "checkpoint"
+    elif configured is not None:
+        total_steps = configured
     else:
-        total_steps, decided_by = optim.epochs * steps_per_epoch, "optim.epochs"
-    counted_in_epochs = optim.total_steps is None and optim.budget_minutes is None
-    if first_length is not None:
-        warmup_steps = first_length["warmup_steps"]  # fixed when the run's length was first decided
+        total_steps = _steps_in_budget(run, started_at, seconds_per_step)
+    if stored is not None and stored.warmup_steps is not None:
+        warmup_steps = stored.warmup_steps  # fixed when the run's length was first decided
     elif counted_in_epochs:
         warmup_steps = int(optim.warmup_epochs * steps_per_epoch)
     else:
@@ -180,30 +230,25 @@ class RunSchedule:
                 f"{len(self.schedules.resizes)} resizes")
 
     def checkpoint_entries(self) -> dict[str, Any]:
-        """``total_steps`` (the current length) and ``run_length`` (what rebuilds these schedules on resume). The
-        keys keep the names they had before "plan" meant only the recipe, so earlier checkpoints still resume:
-        ``planned_total`` is the first length's total, ``replans`` the resizes."""
-        return {"total_steps": self.schedules.total_steps, "run_length": {
-            "planned_total": self.schedules.base.total_steps, "warmup_steps": self.schedules.warmup_steps,
-            "replans": [list(r) for r in self.schedules.resizes],
-            "budget_seconds_used": self.budget.seconds_used() if self.budget is not None else None,
-        }}
+        """``total_steps`` (the current length) and ``run_length`` (``StoredLength``: what rebuilds these schedules
+        on resume)."""
+        stored = StoredLength(self.schedules.base.total_steps, self.schedules.warmup_steps, self.schedules.resizes,
+                              self.budget.seconds_used() if self.budget is not None else None)
+        return {"total_steps": self.schedules.total_steps, "run_length": stored.entries()}
 
 
-def schedule_run(run: Run, *, stored: dict[str, Any] | None, started_at: float,
+def schedule_run(run: Run, *, stored: StoredLength | None, started_at: float,
                  seconds_per_step: float | None = None) -> RunSchedule:
-    """The run's schedule: a checkpoint's stored one (``stored``: its ``total_steps`` and ``run_length``), or a new
-    one (``decide_run_length``; ``seconds_per_step`` as there); with ``optim.budget_minutes``, a ``BudgetResizer``
+    """The run's schedule: a checkpoint's stored one (``stored``, from ``StoredLength.read``), or a new one
+    (``decide_run_length``; ``seconds_per_step`` as there); with ``optim.budget_minutes``, a ``BudgetResizer``
     for what is left of it."""
     cfg = run.cfg
     first = decide_run_length(run, stored=stored, started_at=started_at, seconds_per_step=seconds_per_step)
-    recorded = (stored or {}).get("run_length") or {}
-    resizes = tuple((int(step), int(total)) for step, total in recorded.get("replans", ()))
-    schedules = ResizedSchedules(build_schedules(cfg, first), resizes)
+    schedules = ResizedSchedules(build_schedules(cfg, first), stored.resizes if stored is not None else ())
     budget = None
     if cfg.optim.budget_minutes is not None:
         budget = BudgetResizer.for_length(
             60 * cfg.optim.budget_minutes, started_at, first.total_steps,
             min_window_steps=cfg.run.checkpoint_every_steps,
-            used_before=recorded.get("budget_seconds_used") or 0.0)
+            used_before=(stored.budget_seconds_used if stored is not None else None) or 0.0)
     return RunSchedule(first, schedules, cfg.run.max_steps, budget)

@@ -33,12 +33,12 @@ from typing import Any
 from msn_core.hardware import CpuInfo
 from training import distributed as dist
 from training.checkpoint import capture_rng_state, restore_rng_state
-from training.config import Config
 from training.run.build import Run
+from training.run.length import config_stop_step
 from training.run.precision import precision_candidates, resolve_precision
 from training.run.step import start_hyperparameters, train_step
 
-__all__ = ["PrecisionChoice", "Timer", "choose_precision", "planned_steps", "timing_steps", "wall_timer"]
+__all__ = ["PrecisionChoice", "Timer", "choose_precision", "timing_steps", "wall_timer"]
 
 WARMUP_STEPS = 2  # per candidate, untimed
 WINDOWS = 4  # timed windows per candidate
@@ -93,18 +93,6 @@ class PrecisionChoice:
         return record
 
 
-def planned_steps(cfg: Config, steps_per_epoch: int) -> int | None:
-    """The steps this fresh run will take as far as the config says before any timing; None: a budget decides."""
-    optim, total = cfg.optim, None
-    if optim.total_steps is not None:
-        total = optim.total_steps
-    elif optim.budget_minutes is None:
-        total = optim.epochs * steps_per_epoch
-    if cfg.run.max_steps is not None:
-        total = min(total or cfg.run.max_steps, cfg.run.max_steps)
-    return total
-
-
 def choose_precision(run: Run, *, resumed: bool = False, stored: str | None = None, cpu: CpuInfo | None = None,
                      timer: Timer = wall_timer) -> PrecisionChoice:
     """The precision ``run`` trains in. ``resumed``: it continues a checkpoint that trained in ``stored``; ``cpu``
@@ -125,10 +113,10 @@ def choose_precision(run: Run, *, resumed: bool = False, stored: str | None = No
         return PrecisionChoice(requested, flag, "resumed from a checkpoint that records no usable precision: the "
                                "CPU-flag rule; not timed")
     flag_rule = f"{flag} by the CPU-flag rule (bf16 units); not timed"
-    cost, planned = timing_steps(len(candidates)), planned_steps(run.cfg, run.steps_per_epoch)
-    if planned is not None and cost > MAX_COST * planned:
+    cost, run_steps = timing_steps(len(candidates)), config_stop_step(run.cfg, run.steps_per_epoch)
+    if run_steps is not None and cost > MAX_COST * run_steps:
         return PrecisionChoice(requested, flag, f"{flag_rule}: {cost} timing steps would be more than "
-                               f"{MAX_COST * 100:g} % of the run's {planned}")
+                               f"{MAX_COST * 100:g} % of the run's {run_steps}")
     budget = run.cfg.optim.budget_minutes if run.cfg.optim.total_steps is None else None
     started = time.monotonic()
     with _undone(run):

@@ -11,7 +11,7 @@ Where the labelled images come from (``run.eval_data``, ``--eval-data``):
   Fashion-MNIST, synthetic). Two seeded, disjoint subsets: queries and a bank. They are only encoded, never held
   out from training: the probe tracks the representation, it is not a test-set score;
 - ``fashion-mnist`` or ``synthetic``: that dataset's train split is the bank, its test split the queries;
-- a labelled folder or file list (``training/sources.py``): its ``train/`` as the bank and ``val/`` or ``test/``
+- a labelled folder or file list (``msn_core/sources.py``): its ``train/`` as the bank and ``val/`` or ``test/``
   as the queries when it has them, otherwise two seeded subsets of it.
 
 An unlabelled source and no ``run.eval_data``: no probe (collapse is still watched, ``training/run/collapse.py``).
@@ -41,11 +41,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from msn_core.knn import DEFAULT_K, knn_accuracy
+from msn_core.sources import MEMORY_SOURCES, SPLIT_FOLDERS, SourceError, list_images, relabel
 from training.data import ImageListDataset, build_dataset, collate_views
 from training.model.readout import feature_spec, read_feature
 from training.model.vit import VisionTransformer
 from training.run.build import Run, preprocessing
-from training.sources import MEMORY_SOURCES, SPLIT_FOLDERS, SourceError, list_images, relabel
 from training.views import eval_transform
 
 __all__ = ["KnnProbe", "ProbeImages", "build_probe", "probe_images"]

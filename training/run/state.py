@@ -91,14 +91,13 @@ class TrainState:
 
     ``length`` is the run's schedule (``training.run.length.RunSchedule``): its ``checkpoint_entries`` store the current
     ``total_steps`` and the ``run_length`` behind it (the first length's total and warm-up, a budget run's resizes
-    and the seconds of budget used), so a resumed run follows the same schedules. ``stored_length`` holds those
-    entries as read from a checkpoint.
+    and the seconds of budget used), so a resumed run follows the same schedules; ``training.run.length.StoredLength``
+    reads them back (``training/run/checkpoints.py`` does on resume).
     """
 
     def __init__(self, online: nn.Module, target: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.online, self.target, self.optimizer = online, target, optimizer
         self.length: Any = None
-        self.stored_length: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         length = self.length.checkpoint_entries() if self.length is not None else {"total_steps": None}
@@ -117,8 +116,6 @@ class TrainState:
         self.target.encoder.load_state_dict(state["target_encoder"])
         self.target.head.load_state_dict(state["target_head"])
         self.optimizer.load_state_dict(state["optimizer"])
-        # total_steps is None in checkpoints written before budgets existed, run_length before resizing
-        self.stored_length = {"total_steps": state.get("total_steps"), "run_length": state.get("run_length")}
 
 
 def target_encoder_weights(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from training.sources import FILE_SOURCES, list_images
+from msn_core.sources import FILE_SOURCES, list_images
 
 __all__ = ["DataSurvey", "background_spread", "detail_side", "survey_data"]
 
