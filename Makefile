@@ -13,8 +13,8 @@ KUBECTL := /usr/bin/kubectl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_RUN ?= runs/demo
 DEMO_BUNDLE ?= bundles/demo
-DEMO_DECODER ?= runs/demo-rcdm
-DEMO_DECODER_STEPS ?= 1500
+DEMO_DECODER ?= runs/demo-rcdm28
+DEMO_DECODER_STEPS ?= 20000
 DEMO_DECODER_MINUTES ?= 10
 DEMO_PORT ?= 8000
 DEMO_APP_PORT ?= 7860
@@ -80,7 +80,7 @@ demo: setup data
 	echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT) (API docs at /docs; log $(DEMO_RUN)/serve.log). Try:"; \
 	echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"; \
 	echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"; \
-	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_32.yaml \
+	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_28.yaml \
 		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS) \
 		--set optim.max_minutes=$(DEMO_DECODER_MINUTES) || exit 1; \
 	echo; \

@@ -210,7 +210,9 @@ MSN_SERVE_ROWS = [
     ("snapshots",),  # read-only replicas reload what the one writer published
     ("publish",),  # the writer publishes classifiers and indexes
     ("corpus",),  # msn-embed: a corpus through the engine into shards (and an index), offline
-    ("classifiers",),  # few-shot classifiers and the label loop, over the indexes' vectors
+    # few-shot classifiers and the label loop, over the indexes' vectors; msn-index, the offline tools above the live
+    # store they fill (build, migrate, the Milvus copies). One row, so neither imports the other.
+    ("classifiers", "index_tools"),
     ("indexes",),  # named FAISS indexes, filled from embeddings
     ("embedding",),  # images in, embeddings out
     ("device",),  # cpu / cuda (refused when it cannot work) / auto, decided before anything loads

@@ -34,9 +34,10 @@ def section(results: Path) -> str:
               "consistency by the feature classifier and by kNN on raw pixels (95 % Wilson interval, and in "
               "brackets as a fraction of the judge's accuracy on the originals); high-frequency energy against the "
               "conditioning image's (1 = as sharp); KID against 2,000 other test images in the encoder's space; the "
-              "spread of 4 samples of one image."), ""]
-    head = ["decoder", "mask", "guidance", "median rank", "R@1", "R@10", "classifier", "pixel kNN", "sharpness",
-            "KID", "spread"]
+              "spread of 4 samples of one image. *Class in the feature*: the classifier on the (masked) conditioning "
+              "features themselves, the most of the class a decoder can keep."), ""]
+    head = ["decoder", "mask", "guidance", "median rank", "R@1", "R@10", "classifier", "pixel kNN",
+            "class in the feature", "sharpness", "KID", "spread"]
     rows = []
     for r in runs:
         cfg = r["config"]
@@ -44,12 +45,16 @@ def section(results: Path) -> str:
         for row in r["rows"]:
             rows.append([name, f"{row['ratio']:.1f}", f"{row['guidance']:g}", f"{row['median_rank']:.0f}",
                          f"{row['r_at_1']:.3f}", f"{row['r_at_10']:.3f}", _judge(row["classifier"]),
-                         _judge(row["pixel_judge"]), f"{row['sharpness_ratio']:.2f}", f"{row['kid']:.4f}",
+                         _judge(row["pixel_judge"]),
+                         f"{row['classifier_on_condition']:.2f}" if "classifier_on_condition" in row else "",
+                         f"{row['sharpness_ratio']:.2f}", f"{row['kid']:.4f}",
                          f"{row['spread']:.3f}" if "spread" in row else ""])
     lines += [table(head, rows), ""]
     for r in runs:
         c = r["ceilings"]
-        lines.append(f"- {r['tag']}: 8 samples of one image at the app's defaults in {r['app_8_samples_s']:.2f} s; "
+        timing = r.get("app_8_samples_s_by_guidance")
+        by = f" (by guidance: {', '.join(f'{g}: {s:.2f} s' for g, s in timing.items())})" if timing else ""
+        lines.append(f"- {r['tag']}: 8 samples of one image at the app's defaults in {r['app_8_samples_s']:.2f} s{by}; "
                      f"the judges on the originals: classifier {c['classifier']:.2f}, pixel kNN "
                      f"{c['pixel_judge']:.2f}; KID real against real {r['kid_real_vs_real']:.4f}; "
                      f"![{r['tag']}: original, then a sample at each mask ratio](../benchmarks/results/{r['grid']}).")

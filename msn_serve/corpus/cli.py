@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
 def _build_index(args: argparse.Namespace) -> int:
     if args.index_backend == "milvus":
         return _milvus_index(args)
-    from msn_serve.indexes import cli as msn_index
+    from msn_serve.index_tools import cli as msn_index
 
     cmd = ["build", "--embeddings", str(args.out), "--data-dir", str(args.data_dir), "--name", args.index,
            "--index-type", args.index_type]
@@ -241,7 +241,7 @@ def _milvus_index(args: argparse.Namespace) -> int:
     import json
 
     from msn_serve.corpus.to_milvus import shards_to_milvus
-    from msn_serve.indexes.milvus_copy import CopyError
+    from msn_serve.index_tools.milvus_copy import CopyError
 
     try:
         out = shards_to_milvus(args.out, args.data_dir, args.index, args.milvus_uri or str(args.data_dir / "milvus.db"),

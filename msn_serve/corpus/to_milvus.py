@@ -1,7 +1,7 @@
 """``msn-embed --index NAME --index-backend milvus``: the finished msn-embed shards as a Milvus index msn-serve serves.
 
-The copy is :func:`msn_serve.indexes.milvus_copy.copy_checked`'s (every id read back before it is marked ready), in a
-new collection; the name then moves to it (:func:`~msn_serve.indexes.milvus_copy.point`), and with
+The copy is :func:`msn_serve.index_tools.milvus_copy.copy_checked`'s (every id read back before it is marked
+ready), in a new collection; the name then moves to it (:func:`~msn_serve.index_tools.milvus_copy.point`), and with
 ``--overwrite-index`` the old collection is dropped only after that, so a ``kill -9`` at any step leaves the old
 index or the new one under the name, whole. The data directory's lock is held, so msn-serve must be stopped, as for
 ``msn-index build``.
@@ -16,9 +16,9 @@ import numpy as np
 
 from msn_core.corpus import load_corpus
 from msn_core.durable import lock_data_dir
+from msn_serve.index_tools.milvus_copy import CopyError, copy_checked, milvus_steps, point
 from msn_serve.indexes.config import IndexConfig
 from msn_serve.indexes.milvus import MilvusConnection
-from msn_serve.indexes.milvus_copy import CopyError, copy_checked, milvus_steps, point
 
 
 def shards_to_milvus(embeddings: Path, data_dir: Path, name: str, uri: str, *, index_type: str, store_paths: bool,

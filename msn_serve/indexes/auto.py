@@ -23,7 +23,7 @@ from faiss.contrib.inspect_tools import get_invlist
 from msn_serve.indexes.config import IndexConfig, build_index
 from msn_serve.indexes.tuning import nlist_for, plans, select
 
-__all__ = ["maybe_retune", "retune", "vectors_of"]
+__all__ = ["Retuning", "maybe_retune", "retune", "vectors_of"]
 
 log = logging.getLogger("msn_serve.indexes")
 QUERIES, K = 1000, 10
@@ -83,14 +83,29 @@ def retune(cfg: IndexConfig, ids: np.ndarray, vecs: np.ndarray, *, seed: int = 0
     return replace(best.config, tuned_at=n), best.index, report
 
 
+class Retuning:
+    """An auto index's re-tuning state, kept under its owner's lock: whether a re-tune runs, the mutations applied to
+    the live index meanwhile (replayed onto its result before the swap) and the last report (``stats()`` shows it)."""
+
+    def __init__(self):
+        self.running = False
+        self.pending: list[tuple[str, np.ndarray, np.ndarray | None]] | None = None
+        self.last: dict[str, Any] | None = None
+
+    def note(self, op: str, ids: np.ndarray, vecs: np.ndarray | None) -> None:
+        """Record a mutation while a re-tune runs, so that its result misses none."""
+        if self.pending is not None:
+            self.pending.append((op, ids, vecs))
+
+
 def maybe_retune(idx) -> None:
-    """Called under ``idx.lock`` (a :class:`msn_serve.indexes.managed.ManagedIndex`) after adds: start a background re-tune
-    when an auto index of the writer reached its next tuning size."""
+    """Called under ``idx.lock`` (a :class:`msn_serve.indexes.managed.ManagedIndex`) after adds: start a background
+    re-tune when an auto index of the writer reached its next tuning size."""
     threshold = idx.cfg.next_tuning()
-    if threshold is None or idx.retuning or idx.wal is None or idx.ntotal < threshold:
+    if threshold is None or idx.tuning.running or idx.wal is None or idx.ntotal < threshold:
         return
     ids, vecs = vectors_of(idx.index, idx.cfg)
-    idx.retuning, idx._pending = True, []
+    idx.tuning.running, idx.tuning.pending = True, []
     threading.Thread(target=_run, args=(idx, ids, vecs), name=f"msn-retune-{idx.path.name}", daemon=True).start()
 
 
@@ -101,18 +116,19 @@ def _run(idx, ids: np.ndarray, vecs: np.ndarray) -> None:
     except Exception:
         log.exception("index %s: re-tuning failed; still %s", idx.path.name, idx.cfg.type)
         with idx.lock:
-            idx.retuning, idx._pending = False, None
+            idx.tuning.running, idx.tuning.pending = False, None
         return
     with idx.lock:
         if idx.closed:
             return
-        for op, op_ids, op_vecs in idx._pending or []:
+        for op, op_ids, op_vecs in idx.tuning.pending or []:
             if op == "remove" or cfg.can_delete:  # an add replaces ids already there (with deletes=false the
                 index.remove_ids(op_ids)  # live index refused re-adds that change anything)
             if op == "add":
                 index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
-        idx.index, idx.cfg, idx.gpu_index = index, cfg, None
-        idx.retuning, idx._pending, idx.last_tuning = False, None, report
+        idx.index, idx.cfg = index, cfg
+        idx.gpu.drop()
+        idx.tuning.running, idx.tuning.pending, idx.tuning.last = False, None, report
         try:
             idx.snapshot()
         except OSError as e:  # the WAL still holds every record: a restart replays them and re-tunes again

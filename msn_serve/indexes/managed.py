@@ -1,25 +1,23 @@
-"""Named FAISS indexes with external int64 ids, JSON metadata, and WAL + snapshot persistence.
+"""Named FAISS indexes with external int64 ids and JSON metadata, durable through a WAL and snapshots.
 
-Layout per index: ``indexes/<name>/config.json`` (fixed at create; an auto index rewrites it when it changes
-kind), ``snapshot.npz`` (serialised FAISS index + metadata + last applied WAL sequence + config, replaced
-atomically) and ``wal.log`` (add/remove records, fsync'd before a request is acknowledged). Start-up = snapshot + replay of records newer than it. Types: ``flat`` (exact,
-``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its first add, which is then
-snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS cannot remove from HNSW).
-Adding an id that is already there replaces its vector and metadata (so a retried add never duplicates an id); on
-``hnsw`` only a re-add that changes nothing is accepted. A write that fails on disk changes nothing (see
-:class:`~msn_serve.indexes.wal.WriteAheadLog`): the client gets a 507/503 and may retry.
+Types: ``flat`` (exact, ``IndexIDMap2(IndexFlat*)``), ``ivf`` (``IndexIVFFlat`` with its native ids, trained on its
+first add, which is then snapshotted rather than logged so replay never retrains) and ``hnsw`` (no deletion: FAISS
+cannot remove from HNSW). Adding an id that is already there replaces its vector and metadata (so a retried add never
+duplicates an id); on ``hnsw`` only a re-add that changes nothing is accepted. A write that fails on disk changes
+nothing (see :class:`~msn_serve.indexes.wal.WriteAheadLog`): the client gets a 507/503 and may retry.
 ``ivfpq`` (``IndexIVFPQ``, native ids; re-ranked, it can neither delete nor replace) comes from ``msn-index build``,
 which writes the mmap-able form of :mod:`msn_serve.indexes.files` instead of ``snapshot.npz``; the writer loads either,
-and read-only replicas open published copies of that form memory-mapped, without a WAL. ``auto`` indexes re-tune
-themselves as they grow (:mod:`msn_serve.indexes.auto`); with ``--device cuda``, kinds FAISS supports on GPUs also get
-a GPU copy that answers searches (:mod:`msn_serve.indexes.gpu`).
+and read-only replicas open published copies of that form memory-mapped, without a WAL.
+
+:class:`ManagedIndex` holds the live index, its lock and its mutations and searches, and composes the rest, each in
+its own module: what is on disk and in which order it is written (:mod:`msn_serve.indexes.persist`), the GPU copy
+that answers searches with ``--device cuda`` (:class:`~msn_serve.indexes.gpu.GpuMirror`) and the re-tuning of
+``auto`` indexes as they grow (:class:`~msn_serve.indexes.auto.Retuning`).
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import asdict
@@ -29,21 +27,14 @@ from typing import Any
 import faiss
 import numpy as np
 
-from msn_core.durable import atomic_write, quarantine, remove_durably, replace_dir
+from msn_core.durable import remove_durably
 from msn_serve.errors import conflict, not_found, persisting, read_only_replica, too_large, unprocessable
 from msn_serve.indexes import auto as index_auto
 from msn_serve.indexes import gpu as index_gpu
+from msn_serve.indexes import persist
 from msn_serve.indexes.base import check_add, check_ids, prepare_vectors
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
-from msn_serve.indexes.files import (
-    INDEX_FILE,
-    IVF_TYPES,
-    STATE_FILE,
-    decode_record,
-    encode_record,
-    read_index_dir,
-    write_index_dir,
-)
+from msn_serve.indexes.files import IVF_TYPES, decode_record, encode_record, read_index_dir, write_index_dir
 from msn_serve.indexes.metadata import Metadata, Texts
 from msn_serve.indexes.wal import WriteAheadLog
 
@@ -67,62 +58,30 @@ class ManagedIndex:
         self.lock = threading.RLock()
         self.ids = ids
         self.closed = False
-        self.wal = None if read_only else WriteAheadLog(path / "wal.log")
+        self.wal = None if read_only else WriteAheadLog(path / persist.WAL)
         self.created = time.time()
-        self.device = device  # where searches run when the kind allows it (index_gpu.resolve_device'd)
-        self.gpu_index: faiss.Index | None = None  # GPU copy, rebuilt lazily after changes it cannot follow
-        self.retuning = False  # auto: a background re-tune is running
-        self._pending: list[tuple] | None = None  # mutations applied while it runs, replayed on its result
-        self.last_tuning: dict[str, Any] | None = None
+        self.gpu = index_gpu.GpuMirror(device)  # device: index_gpu.resolve_device'd
+        self.tuning = index_auto.Retuning()
 
     @property
     def name(self) -> str:
         return self.path.name
 
-    # ---- persistence ------------------------------------------------------------------------------------------
+    # ---- persistence (the steps are persist's; when to take them is decided here) ------------------------------
     @classmethod
     def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
-        """Make the directory in a staging directory and swap it in, so a failed create (full disk) leaves nothing
-        a restart would load or quarantine."""
-        with replace_dir(path, replace=False) as staging:
-            atomic_write(staging / "config.json", json.dumps(asdict(cfg), indent=1).encode())
-            os.close(os.open(staging / "wal.log", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        """A new, empty index, whose directory appears whole or not at all."""
+        persist.create(path, cfg)
         return cls(path, cfg, build_index(cfg), Metadata(), 0, set(), device=device)
 
     @classmethod
     def load(cls, path: Path, data_dir: Path, device: str = "cpu") -> ManagedIndex:
-        """Open from disk; a corrupt config/snapshot raises, a corrupt WAL record is quarantined and the valid
-        prefix replayed (a torn tail is an unacknowledged write and is dropped)."""
-        cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
-        snap = path / "snapshot.npz"
-        index, metadata, seq, ids = build_index(cfg), {}, 0, set()
-        if snap.exists():
-            with np.load(snap, allow_pickle=False) as z:
-                index = faiss.deserialize_index(np.ascontiguousarray(z["index"]))
-                meta = json.loads(bytes(z["meta"]).decode())
-                ids = set(np.asarray(z["ids"], dtype=np.int64).tolist())
-            if len(ids) != index.ntotal:
-                raise ValueError(f"snapshot has {index.ntotal} vectors but {len(ids)} ids")
-            metadata = {int(k): v for k, v in meta["metadata"].items()}
-            seq = int(meta["seq"])
-            if "config" in meta:  # an auto index's current kind and tuning, as of this snapshot
-                cfg = IndexConfig(**meta["config"])
-            if index.d != cfg.dim:
-                raise ValueError(f"snapshot dim {index.d} != config dim {cfg.dim}")
-        elif (path / INDEX_FILE).exists():  # built by msn-index: loaded into memory, since the writer mutates it
-            _, index, id_arr, metadata, seq = read_index_dir(path, mmap=False)
-            ids = set(id_arr.tolist())
-        records, valid_len, problem = WriteAheadLog.read(path / "wal.log")
-        if problem is not None:
-            if problem.startswith("torn tail"):
-                log.warning("%s: WAL %s; dropping the unacknowledged tail", path.name, problem)
-            else:
-                quarantine(data_dir, _copy(path / "wal.log"), f"WAL {problem}; replaying the valid prefix")
-            with open(path / "wal.log", "r+b") as f:
-                f.truncate(valid_len)
-        obj = cls(path, cfg, index, metadata, seq, ids, device=device)
+        """Open from disk (:func:`~msn_serve.indexes.persist.load`) and replay the WAL records newer than the
+        snapshot; an auto index whose re-tune a crash interrupted starts it again."""
+        saved = persist.load(path, data_dir)
+        obj = cls(path, saved.cfg, saved.index, saved.metadata, saved.seq, saved.ids, device=device)
         replayed = 0
-        for rseq, payload in records:
+        for rseq, payload in saved.records:
             if rseq <= obj.seq:
                 continue
             op, ids, vecs, meta_list = decode_record(payload)
@@ -149,21 +108,20 @@ class ManagedIndex:
                             self.metadata, self.seq)
 
     def snapshot(self) -> None:
-        """Replace ``snapshot.npz`` with the current state, then empty the WAL (a failure at any step leaves a
-        state that loads: the old snapshot + the whole WAL, or the new snapshot + records it already holds)."""
+        """Replace ``snapshot.npz`` with the current state (:func:`~msn_serve.indexes.persist.write`), then empty
+        the WAL."""
         with self.lock:
-            meta = (f'{{"seq":{int(self.seq)},"config":{json.dumps(asdict(self.cfg))},'
-                    f'"metadata":{self.metadata.to_json()}}}')
-            buf = io.BytesIO()
-            np.savez(buf, index=faiss.serialize_index(self.index), meta=np.frombuffer(meta.encode(), np.uint8),
-                     ids=np.fromiter(self.ids, dtype=np.int64, count=len(self.ids)))
-            atomic_write(self.path / "snapshot.npz", buf.getvalue())
-            if self.cfg.auto:  # its kind changes; the snapshot (written first) is what load() trusts
-                atomic_write(self.path / "config.json", json.dumps(asdict(self.cfg), indent=1).encode())
-            for stale in (INDEX_FILE, STATE_FILE):  # a built index's files are superseded by the snapshot
-                if (self.path / stale).exists():
-                    remove_durably(self.path / stale)
+            persist.write(self.path, self.cfg, self.index, self.ids, self.metadata, self.seq)
             self.wal.truncate(0)  # records <= seq are in the snapshot; a crash before this only re-skips them
+
+    def _maybe_compact(self) -> None:
+        """Snapshot a long WAL. The write that triggered it is already durable, so a failure is only logged
+        (the WAL still holds every record) and compaction is tried again after the next write."""
+        if self.wal.size() > self.compact_bytes:
+            try:
+                self.snapshot()
+            except OSError as e:
+                log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
 
     def drop(self) -> None:
         """Remove the directory (renaming it away is the commit point): gone from its name, it is dropped, whatever
@@ -203,11 +161,10 @@ class ManagedIndex:
         return prepare_vectors(self.cfg, vecs)
 
     def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> None:
-        if self._pending is not None:
-            self._pending.append((op, ids, vecs))
+        self.tuning.note(op, ids, vecs)  # a re-tune running meanwhile replays it onto its result
         if op == "add":  # an upsert: ids already present are replaced (add() filtered them out where FAISS can't)
             present = [i for i in ids.tolist() if i in self.ids]
-            self._sync_gpu("replace" if present else op, ids, vecs)
+            self.gpu.follow("replace" if present else op, self.index, ids, vecs)
             if present:
                 self.index.remove_ids(np.asarray(present, dtype=np.int64))
             self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
@@ -215,7 +172,7 @@ class ManagedIndex:
             for j, i in enumerate(ids.tolist()):
                 self.metadata.put(i, None if texts is None else texts[j])
         elif op == "remove":
-            self._sync_gpu(op, ids, vecs)
+            self.gpu.follow(op, self.index, ids, vecs)
             self.index.remove_ids(ids)
             for i in ids.tolist():
                 self.ids.discard(i)
@@ -299,36 +256,24 @@ class ManagedIndex:
                 self._maybe_compact()
         return {"removed": int(present.size), "not_found": missing}
 
-    def _maybe_compact(self) -> None:
-        """Snapshot a long WAL. The write that triggered it is already durable, so a failure is only logged
-        (the WAL still holds every record) and compaction is tried again after the next write."""
-        if self.wal.size() > self.compact_bytes:
-            try:
-                self.snapshot()
-            except OSError as e:
-                log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
-
-    # ---- GPU copy and auto re-tuning (both under ``lock``) -----------------------------------------------------
+    # ---- the GPU copy and auto re-tuning (gpu.GpuMirror, auto.Retuning; both under ``lock``) --------------------
     @property
     def search_device(self) -> str:
-        return "cuda" if self.device == "cuda" and index_gpu.supported(self.cfg) else "cpu"
+        return self.gpu.device_for(self.cfg)
 
-    def _searcher(self) -> faiss.Index:
-        if self.search_device == "cpu":
-            return self.index
-        if self.gpu_index is None:
-            self.gpu_index = index_gpu.to_gpu(self.index)
-        return self.gpu_index
+    @property
+    def gpu_index(self) -> faiss.Index | None:
+        """The GPU copy answering searches, ``None`` until a search builds it (or after a change it cannot follow)."""
+        return self.gpu.copy
 
-    def _sync_gpu(self, op: str, ids: np.ndarray, vecs: np.ndarray | None) -> None:
-        """Plain adds go to the GPU copy too; anything else drops it (rebuilt from the CPU index at the next
-        search)."""
-        if self.gpu_index is None:
-            return
-        if op == "add" and self.index.is_trained:
-            self.gpu_index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), ids)
-        else:
-            self.gpu_index = None
+    @property
+    def retuning(self) -> bool:
+        """An auto index's background re-tune is running."""
+        return self.tuning.running
+
+    @property
+    def last_tuning(self) -> dict[str, Any] | None:
+        return self.tuning.last
 
     def _maybe_retune(self) -> None:
         index_auto.maybe_retune(self)
@@ -345,7 +290,7 @@ class ManagedIndex:
             if k == 0:
                 return np.zeros((q.shape[0], 0), np.float32), np.zeros((q.shape[0], 0), np.int64), {}
             params = search_params(self.cfg, k, nprobe=nprobe, ef_search=ef_search)
-            scores, labels = self._searcher().search(q, k, params=params)
+            scores, labels = self.gpu.searcher(self.index, self.cfg).search(q, k, params=params)
             texts = {i: t for i in np.unique(labels).tolist() if i >= 0 and (t := self.metadata.text(i)) is not None}
         return scores, labels, texts
 
@@ -393,8 +338,3 @@ class ManagedIndex:
                     "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
                     else "squared L2 distance (lower is closer)"}
 
-
-def _copy(path: Path) -> Path:
-    dest = path.with_name(path.name + ".corrupt-copy")
-    dest.write_bytes(path.read_bytes())
-    return dest

@@ -6,13 +6,13 @@ Milvus Lite file (``PATH.db``: the engine runs inside msn-serve; default ``<data
 
 An index ``<name>`` is found under ``msn_<name>`` (``_`` ``.`` ``-`` in the name written ``_u`` ``_d`` ``_h``):
 a collection of that name (what ``POST /index`` creates) or an alias pointing at one ``msn_<name>__v<time><hex>``
-(what the offline copies of :mod:`.milvus_copy` make, so that a copy is swapped in by moving the alias: the name
-always resolves to one whole collection). Fields: ``id`` INT64 primary key, ``vector`` FLOAT_VECTOR, ``meta`` VARCHAR
-(the metadata's JSON text, nullable). Its properties bind it like a FAISS index's ``config.json``: ``msn.config``
-(the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's feature), ``msn.index`` (the name) and
-``msn.state``: ``ready``, or ``migrating`` while ``msn-index migrate --to milvus`` has not finished, which is
-refused when opened (409 naming the command that finishes it). Adds are upserts, so a retried add never duplicates
-an id.
+(what the offline copies of :mod:`msn_serve.index_tools.milvus_copy` make, so that a copy is swapped in by moving
+the alias: the name always resolves to one whole collection). Fields: ``id`` INT64 primary key, ``vector``
+FLOAT_VECTOR, ``meta`` VARCHAR (the metadata's JSON text, nullable). Its properties bind it like a FAISS index's
+``config.json``: ``msn.config`` (the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's
+feature), ``msn.index`` (the name) and ``msn.state``: ``ready``, or ``migrating`` while ``msn-index migrate --to
+milvus`` has not finished, which is refused when opened (409 naming the command that finishes it). Adds are upserts,
+so a retried add never duplicates an id.
 
 Consistency and durability: collections are created with the **Strong** consistency level, so a search sees every
 acknowledged write. An insert is acknowledged by Milvus once it is in its write-ahead log (Milvus Lite: its WAL file,

@@ -65,7 +65,7 @@ def _embed(bundle: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
 
 def _index(*args: str) -> subprocess.CompletedProcess:
     """``msn-index`` in a fresh interpreter that must never import torch."""
-    code = ("import sys; from msn_serve.indexes.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from msn_serve.index_tools.cli import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'msn-index imported torch'; sys.exit(rc)")
     return _run([sys.executable, "-c", code, *args])
 
@@ -243,7 +243,7 @@ def _synthetic_embeddings(root: Path, n: int = 12_000, dim: int = 32, shards: in
 def test_index_build_tunes_ivfpq_and_loads_mmapped(tmp_path: Path) -> None:
     import faiss
 
-    from msn_serve.indexes.cli import main
+    from msn_serve.index_tools.cli import main
     from msn_serve.indexes.managed import ManagedIndex
 
     x = _synthetic_embeddings(tmp_path / "emb", dim=16)
@@ -271,7 +271,7 @@ def test_index_build_tunes_ivfpq_and_loads_mmapped(tmp_path: Path) -> None:
 
 
 def test_index_build_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from msn_serve.indexes.cli import main
+    from msn_serve.index_tools.cli import main
 
     assert main(["build", "--embeddings", str(tmp_path), "--data-dir", str(tmp_path / "d"), "--name", "x"]) == 2
     assert "no manifest.json" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import pytest
 from serve_helpers import Server, encode, random_image
 
 from msn_core.bundle import load_bundle_info
-from msn_serve.indexes import cli as msn_index
+from msn_serve.index_tools import cli as msn_index
 
 pytest.importorskip("pymilvus")
 DIM = 64

@@ -1,7 +1,7 @@
 """A ``kill -9`` at any point of ``msn-index build --overwrite`` or ``msn-index migrate`` leaves a whole index at its
 path: the old one or the new one, as the next ``msn-serve`` (its index store) or ``msn-index`` opens it.
 
-Each run is a real ``msn-index`` process (``msn_serve.indexes.cli.main``, the console script's function) that
+Each run is a real ``msn-index`` process (``msn_serve.index_tools.cli.main``, the console script's function) that
 ``SIGKILL``s itself at one step of the directory swap (:func:`msn_core.durable.replace_dir`'s test seam); the
 state it leaves is then opened the way ``msn-serve`` opens its data directory.
 """
@@ -19,7 +19,7 @@ import pytest
 from serve_helpers import REPO, encode, random_image
 
 from msn_core.bundle import load_bundle_info
-from msn_serve.indexes import cli as msn_index
+from msn_serve.index_tools import cli as msn_index
 from msn_serve.indexes.store import IndexStore
 
 DIM, OLD_N, NEW_N, IMAGES = 64, 40, 60, 8
@@ -28,7 +28,7 @@ AFTER_COMMIT = ["journaled", "aside", "placed", "old_removed", "done"]
 KILLED = """
 import os, signal, sys
 import msn_core.durable as durable
-from msn_serve.indexes.cli import main
+from msn_serve.index_tools.cli import main
 step = sys.argv[1]
 durable._checkpoint = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == step else None
 main(sys.argv[2:])

@@ -171,3 +171,30 @@ def test_gpu_copies_answer_like_the_cpu_index(tmp_path: Path, spec):
     assert [[h["id"] for h in r] for r in a] == [[h["id"] for h in r] for r in b]
     gpu.snapshot()  # persistence writes the CPU index, as without a GPU
     assert ManagedIndex.load(gpu.path, tmp_path / "gpu").ntotal == 3_998
+
+
+def test_the_gpu_copy_follows_adds_and_is_rebuilt_after_other_changes(tmp_path: Path, monkeypatch):
+    """The GPU mirror's bookkeeping, on any machine: a clone of the CPU index stands in for the GPU copy."""
+    copies: list[faiss.Index] = []
+    monkeypatch.setattr(index_gpu, "to_gpu", lambda index: copies.append(faiss.clone_index(index)) or copies[-1])
+    x = clustered(600, seed=4)
+    cpu = ManagedIndex.create(tmp_path / "cpu", IndexConfig(dim=32))
+    gpu = ManagedIndex.create(tmp_path / "gpu", IndexConfig(dim=32), device="cuda")
+
+    def both(step) -> list:
+        return [step(idx) for idx in (cpu, gpu)]
+
+    def same_hits() -> bool:
+        a, b = both(lambda idx: idx.search(x[:20], 5))
+        return [[h["id"] for h in r] for r in a] == [[h["id"] for h in r] for r in b]
+
+    both(lambda idx: idx.add(list(range(500)), x[:500]))
+    assert gpu.stats()["device"] == "cuda" and cpu.stats()["device"] == "cpu" and gpu.gpu_index is None
+    assert same_hits() and len(copies) == 1 and gpu.gpu_index is copies[0]  # made by the first search
+    both(lambda idx: idx.add(list(range(500, 600)), x[500:]))  # a plain add goes to the copy too
+    assert gpu.gpu_index is copies[0] and copies[0].ntotal == 600 and same_hits()
+    both(lambda idx: idx.add([0], x[1:2]))  # a replacement cannot follow: dropped, copied again at the next search
+    assert gpu.gpu_index is None and same_hits() and len(copies) == 2
+    both(lambda idx: idx.remove([1, 2]))
+    assert gpu.gpu_index is None and same_hits() and len(copies) == 3 and copies[2].ntotal == 598
+    both(lambda idx: idx.close())

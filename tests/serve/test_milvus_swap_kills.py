@@ -3,7 +3,7 @@ one, and running the same command again finishes or redoes what was left.
 
 Three offline commands replace what a name holds on Milvus (Milvus Lite here): ``msn-index migrate --to milvus``
 (FAISS directory -> collection), ``msn-index migrate`` of a Milvus index to another model (re-embedding into a new
-collection, :mod:`msn_serve.indexes.milvus_copy`) and ``msn-embed``'s copy of its shards with ``--overwrite-index``
+collection, :mod:`msn_serve.index_tools.milvus_copy`) and ``msn-embed``'s copy of its shards with ``--overwrite-index``
 (:func:`msn_serve.corpus.to_milvus.shards_to_milvus`). Each run is a real process that ``SIGKILL``s itself at one
 named step (``milvus_copy._checkpoint``, the seam ``msn_core.durable`` offers the FAISS swap); what it leaves is then
 opened the way ``msn-serve`` opens its data directory (:class:`IndexStore`), and every id checked. Both layouts a
@@ -27,7 +27,7 @@ pytest.importorskip("milvus_lite")
 
 from msn_core.bundle import load_bundle_info
 from msn_serve.corpus.to_milvus import shards_to_milvus
-from msn_serve.indexes import cli as msn_index
+from msn_serve.index_tools import cli as msn_index
 from msn_serve.indexes.config import config_from_spec
 from msn_serve.indexes.milvus import MilvusConnection, MilvusIndex, NotReady
 from msn_serve.indexes.store import IndexStore
@@ -36,11 +36,11 @@ DIM, OLD_N, NEW_N, IMAGES = 16, 12, 9, 4
 KILLED = """
 import os, signal, sys
 from pathlib import Path
-from msn_serve.indexes import milvus_copy
+from msn_serve.index_tools import milvus_copy
 step, command, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 milvus_copy._checkpoint = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == step else None
 if command == "msn-index":
-    from msn_serve.indexes.cli import main
+    from msn_serve.index_tools.cli import main
     main(args)
 else:
     from msn_serve.corpus.to_milvus import shards_to_milvus

@@ -16,7 +16,7 @@ from serve_helpers import PREPROCESSING, Server, encode, random_image
 
 from msn_core.bundle import load_bundle_info
 from msn_serve.errors import ModelMismatch, check_model, model_matches
-from msn_serve.indexes import cli as msn_index
+from msn_serve.index_tools import cli as msn_index
 
 N_IMAGES = 12
 

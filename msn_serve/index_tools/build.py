@@ -12,7 +12,7 @@ The output is the :mod:`msn_serve.indexes.files` form (``config.json`` + ``index
 ``<data-dir>/indexes/<name>/``, written in a staging directory and swapped in (:func:`msn_core.durable.replace_dir`):
 ``kill -9`` at any moment leaves the old index or the new one there, never a mix (the next ``msn-index`` or
 ``msn-serve`` finishes an interrupted swap before it reads the folder). The corpus is read by
-:func:`msn_core.corpus.load_corpus`; the command line is :mod:`msn_serve.indexes.cli`'s.
+:func:`msn_core.corpus.load_corpus`; the command line is :mod:`msn_serve.index_tools.cli`'s.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ is changed, and the exit status is 1, unless ``--allow-partial`` writes the inde
 with the counts). The server must be stopped (the data directory's lock is taken).
 
 A Milvus index (:mod:`msn_serve.indexes.milvus`) is migrated the same way, into a new collection swapped in under
-its name by an alias (:mod:`msn_serve.indexes.milvus_copy`: the name resolves to the old collection or the new one,
+its name by an alias (:mod:`msn_serve.index_tools.milvus_copy`: the name resolves to the old collection or the new one,
 whole, at every step). ``--to milvus`` instead moves a FAISS index, as it is (ids, vectors, metadata, model), into a
 Milvus collection of the same name, checked id by id before the FAISS directory goes to the backups; a run killed
 midway is finished or redone by running it again.
@@ -37,10 +37,10 @@ import numpy as np
 from msn_core.bundle import load_bundle_info
 from msn_core.durable import lock_data_dir, recover_dir, replace_dir
 from msn_serve.errors import ApiError
+from msn_serve.indexes import persist
 from msn_serve.indexes.config import IndexConfig, build_index
-from msn_serve.indexes.files import INDEX_FILE, decode_record, read_index_dir, write_index_dir
+from msn_serve.indexes.files import decode_record, write_index_dir
 from msn_serve.indexes.metadata import Metadata
-from msn_serve.indexes.wal import WriteAheadLog
 
 BATCH = 64
 MAX_PIXELS = 40_000_000  # msn-serve's default max_image_pixels
@@ -52,24 +52,12 @@ class MigrateError(Exception):
 
 def read_contents(path: Path) -> tuple[IndexConfig, list[int], dict[int, Any]]:
     """``(config, ids, {id: metadata value})`` of a writer's index directory, read without changing a byte (the
-    snapshot or built files, then the WAL's records replayed on the id set and metadata only)."""
-    cfg = IndexConfig(**json.loads((path / "config.json").read_text()))
-    ids: set[int] = set()
-    meta: dict[int, Any] = {}
-    seq = 0
-    if (path / "snapshot.npz").exists():
-        with np.load(path / "snapshot.npz", allow_pickle=False) as z:
-            head = json.loads(bytes(z["meta"]).decode())
-            ids = set(np.asarray(z["ids"], dtype=np.int64).tolist())
-        meta, seq = {int(k): v for k, v in head["metadata"].items()}, int(head["seq"])
-        if "config" in head:
-            cfg = IndexConfig(**head["config"])
-    elif (path / INDEX_FILE).exists():
-        _, _, id_arr, meta, seq = read_index_dir(path, mmap=True)
-        ids = set(id_arr.tolist())
-    records, _, _ = WriteAheadLog.read(path / "wal.log")  # a torn or bad tail: the valid prefix, as msn-serve does
-    for rseq, payload in records:
-        if rseq <= seq:
+    snapshot or built files, then the WAL's valid records, as msn-serve replays them, on the id set and metadata
+    only)."""
+    state = persist.saved(path, with_index=False)
+    ids, meta = state.ids, state.metadata
+    for rseq, payload in state.records:
+        if rseq <= state.seq:
             continue
         op, rec_ids, _, texts = decode_record(payload)
         for j, i in enumerate(rec_ids.tolist()):
@@ -82,7 +70,7 @@ def read_contents(path: Path) -> tuple[IndexConfig, list[int], dict[int, Any]]:
             else:
                 ids.discard(i)
                 meta.pop(i, None)
-    return cfg, sorted(ids), meta
+    return state.cfg, sorted(ids), meta
 
 
 def image_base(path: Path, given: Path | None) -> Path | None:
@@ -169,7 +157,7 @@ def migrate(args: argparse.Namespace) -> int:
 
 
 def _to_milvus(path: Path, data_dir: Path, uri: str) -> int:
-    from msn_serve.indexes.milvus_copy import CopyError, faiss_to_milvus
+    from msn_serve.index_tools.milvus_copy import CopyError, faiss_to_milvus
 
     if not (path / "config.json").is_file() and not Path(uri).exists() and "://" not in uri:
         raise MigrateError(f"{path}: no FAISS index to move (expected DATA_DIR/indexes/NAME/config.json)")
@@ -184,8 +172,8 @@ def _to_milvus(path: Path, data_dir: Path, uri: str) -> int:
 
 
 def _milvus_reembed(args: argparse.Namespace, uri: str) -> int:
+    from msn_serve.index_tools.milvus_copy import CopyError, reembed_milvus
     from msn_serve.indexes.milvus import MilvusConnection
-    from msn_serve.indexes.milvus_copy import CopyError, reembed_milvus
 
     if args.bundle is None:
         raise MigrateError("give --bundle: the model to migrate the Milvus index to")

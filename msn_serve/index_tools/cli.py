@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from msn_core.corpus import CorpusError
-from msn_serve.indexes import migrate
-from msn_serve.indexes.build import BuildError, build
+from msn_serve.index_tools import migrate
+from msn_serve.index_tools.build import BuildError, build
 
 
 def main(argv: Sequence[str] | None = None) -> int:
