@@ -47,9 +47,9 @@ $(KUBECTL):
 	$(SUDO) apt-get install -y -qq kubernetes-client
 
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
-# accuracy beside the raw-pixel baseline, start the service, train a small RCDM decoder on the bundle for at most
-# DEMO_DECODER_MINUTES (resumed: a second `make demo` trains it further, up to DEMO_DECODER_STEPS), then the
-# visualizer app.
+# accuracy beside the raw-pixel baseline, start the service, then train a small RCDM decoder on the bundle for at most
+# DEMO_DECODER_MINUTES (resumed: a second `make demo` trains it further, up to DEMO_DECODER_STEPS) in the background
+# while the visualizer app is up.
 demo: setup data
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=1 training/pretrain.py \
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
@@ -67,12 +67,14 @@ demo: setup data
 		--splits 3 --no-progress
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --no-progress
 	$(PY) -m training.examples --out $(DEMO_RUN)/example.png --folder $(DEMO_RUN)/unlabelled --count 500
-	@# The service first (a working app as soon as the encoder is evaluated), then the decoder (capped at
-	@# DEMO_DECODER_MINUTES; a second `make demo` trains it further), then the visualizer in the foreground: Ctrl-C
-	@# stops it, and the EXIT trap stops the service (a background job ignores SIGINT in a non-interactive shell).
+	@# The service first (a working app as soon as the encoder is evaluated), then the decoder training in the
+	@# background (capped at DEMO_DECODER_MINUTES; a second `make demo` trains it further) and at once the visualizer in
+	@# the foreground: masks and neighbours work right away, sampling from the decoder's first checkpoint on, and each
+	@# new checkpoint is loaded as it lands. Ctrl-C stops the app, and the EXIT trap stops the service and the training
+	@# (background jobs ignore SIGINT in a non-interactive shell).
 	@$(VENV)/bin/msn-serve --bundle $(DEMO_BUNDLE) --data-dir $(DEMO_RUN)/serve-data --host 127.0.0.1 \
-		--port $(DEMO_PORT) > $(DEMO_RUN)/serve.log 2>&1 & serve=$$!; \
-	trap 'kill $$serve 2>/dev/null' EXIT; \
+		--port $(DEMO_PORT) > $(DEMO_RUN)/serve.log 2>&1 & serve=$$!; train=; \
+	trap 'kill $$serve $$train 2>/dev/null' EXIT; \
 	ready=0; for i in $$(seq 300); do kill -0 $$serve 2>/dev/null || break; \
 		$(PY) -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$(DEMO_PORT)/readyz', timeout=2)" \
 		2>/dev/null && { ready=1; break; }; sleep 1; done; \
@@ -82,9 +84,12 @@ demo: setup data
 	echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"; \
 	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_28.yaml \
 		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS) \
-		--set optim.max_minutes=$(DEMO_DECODER_MINUTES) || exit 1; \
+		--set optim.max_minutes=$(DEMO_DECODER_MINUTES) --set run.progress_bar=false \
+		> $(DEMO_RUN)/decoder.log 2>&1 & train=$$!; \
 	echo; \
 	echo "Visualizer (mask an image, sample from the decoder): http://127.0.0.1:$(DEMO_APP_PORT)"; \
+	echo "  the decoder trains for $(DEMO_DECODER_MINUTES) minutes meanwhile (log $(DEMO_RUN)/decoder.log): sampling"; \
+	echo "  works from its first checkpoint on, and the page loads each new one by itself"; \
 	echo "  its Labelling tab: folder $(DEMO_RUN)/unlabelled, classes e.g. top, trouser, dress, coat, shoe, bag"; \
 	echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT); Ctrl-C stops both."; \
 	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) \

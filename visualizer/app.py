@@ -10,7 +10,9 @@ Sampling runs through Gradio's queue with a bounded concurrency. Outside localho
 
 The app offers only what the decoder was trained for: the guidance slider appears only for a decoder whose checkpoint
 records condition dropout (otherwise guidance is fixed at 1 and ``/sample`` refuses any other scale), and the header
-names the decoder's training step and the quality figure its run measured (:mod:`visualizer.quality`). Started
+names the decoder's training step and the quality figure its run measured (:mod:`visualizer.quality`). A decoder
+run directory is followed as it trains (:mod:`visualizer.live`): the app opens before the first checkpoint, sampling
+says the decoder is still training until one lands, and the header and the samples follow each new one. Started
 without a decoder, it offers the masks, the kept patches and the nearest neighbours from a running ``msn-serve``
 (``/neighbours``, :mod:`visualizer.neighbours`, there with a decoder too); the sampling controls and endpoints are
 then absent, and a note says how to train a decoder.
@@ -37,6 +39,7 @@ from msn_core.masks import keep_from_bitmap
 from msn_core.optional import require
 from visualizer.features import FrozenEncoder
 from visualizer.label_tab import build_label_tab
+from visualizer.live import DecoderNotReady, LiveDecoder
 from visualizer.masks import MODES, keep_bitmap, mask_spec
 from visualizer.neighbours import build_neighbours_panel
 from visualizer.pipeline import RCDMPipeline, load_image
@@ -175,9 +178,20 @@ class Session:
         return upscale(masked_view(view, keep), SHOW_PX), [upscale(to_hwc(s), size) for s in samples]
 
 
-def _sampling_ui(session: Session, primary: RCDMPipeline, mask_inputs: list, status: gr.Markdown) -> None:
-    """The decoder's controls, the Samples and Side by side tabs and their ``/sample`` and ``/compare`` events."""
+def _sampling_ui(session: Session, primary: RCDMPipeline | LiveDecoder, mask_inputs: list,
+                 status: gr.Markdown) -> None:
+    """The decoder's controls, the Samples and Side by side tabs and their ``/sample`` and ``/compare`` events; a
+    :class:`LiveDecoder` is asked for its newest checkpoint at every request."""
     cfg = primary.config.diffusion
+
+    def decoder() -> RCDMPipeline:
+        if isinstance(primary, RCDMPipeline):
+            return primary
+        try:
+            return primary.require()
+        except DecoderNotReady as exc:
+            raise gr.Error(str(exc)) from None
+
     with gr.Row():
         num_samples = gr.Slider(1, 16, value=4, step=1, label="Samples", elem_id="num-samples")
         steps = gr.Slider(2, 1000, value=cfg.sample_steps, step=1, label=f"{cfg.sampler.upper()} steps")
@@ -207,23 +221,25 @@ def _sampling_ui(session: Session, primary: RCDMPipeline, mask_inputs: list, sta
     def sample(path, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, sample_seed_):
         view = session.view(path)
         keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_)
-        shown, samples = session.run(primary, view, keep, n, steps_, guidance_, sample_seed_)
-        return shown, samples, f"{len(samples)} samples from {int(keep.sum())}/{keep.size} kept patches"
+        pipe = decoder()
+        shown, samples = session.run(pipe, view, keep, n, steps_, guidance_, sample_seed_)
+        note = "" if pipe is primary else f" (decoder step {pipe.step:,})"
+        return shown, samples, f"{len(samples)} samples from {int(keep.sum())}/{keep.size} kept patches{note}"
 
     def side_by_side(path, kind_, ra, rb, mode_, ratio_, seed_, focal_, clicked_, n, steps_, guidance_, s):
         if kind_ == "two bundles":
             if session.compare_pipe is None:
                 raise gr.Error("Start the app with --compare-bundle/--compare-decoder to compare bundles.")
             outs = []
-            for pipe in (primary, session.compare_pipe):
+            for pipe in (decoder(), session.compare_pipe):
                 view = session.view(path, pipe)
                 keep = session.keep_bitmap(mode_, ratio_, seed_, focal_, clicked_, grid=pipe.encoder.grid)
                 outs += session.run(pipe, view, keep, n, steps_, guidance_, s)
             return (*outs, f"A: {primary.name}, B: {session.compare_pipe.name}")
         view = session.view(path)
-        outs = []
+        outs, pipe = [], decoder()
         for r in (ra, rb):
-            outs += session.run(primary, view, session.keep_bitmap("random", r, seed_, focal_, None),
+            outs += session.run(pipe, view, session.keep_bitmap("random", r, seed_, focal_, None),
                                 n, steps_, guidance_, s)
         return (*outs, f"A: ratio {ra:.2f}, B: ratio {rb:.2f}")
 
@@ -233,16 +249,17 @@ def _sampling_ui(session: Session, primary: RCDMPipeline, mask_inputs: list, sta
                       [masked_a, gallery_a, masked_b, gallery_b, status], api_name="compare")
 
 
-def build_app(primary: RCDMPipeline | FrozenEncoder, compare: RCDMPipeline | None = None, *,
+def build_app(primary: RCDMPipeline | LiveDecoder | FrozenEncoder, compare: RCDMPipeline | None = None, *,
               examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
-    """The app on a decoder (an ``RCDMPipeline``), or on a bundle's encoder alone: no sampling (module docstring)."""
-    pipe = primary if isinstance(primary, RCDMPipeline) else None
-    if compare is not None and pipe is None:
-        raise ValueError("comparing decoders needs a decoder for the primary bundle too")
+    """The app on a decoder (an ``RCDMPipeline``, or a :class:`LiveDecoder` still training), or on a bundle's encoder
+    alone: no sampling (module docstring)."""
+    pipe = primary if isinstance(primary, (RCDMPipeline, LiveDecoder)) else None
+    if compare is not None and not isinstance(primary, RCDMPipeline):
+        raise ValueError("comparing decoders needs a trained decoder for the primary bundle too")
     encoder = pipe.encoder if pipe is not None else primary
-    session = Session(encoder, pipe, compare)
+    session = Session(encoder, primary if isinstance(primary, RCDMPipeline) else None, compare)
     if pipe is not None:
-        about = decoder_summary(pipe)
+        about = primary.summary() if isinstance(primary, LiveDecoder) else decoder_summary(pipe)
         if compare is not None:
             about += f"  \nComparison bundle {compare.name}: {decoder_summary(compare)}"
         intro = ("An RCDM diffusion decoder samples images from the frozen embedding of "
@@ -256,7 +273,9 @@ def build_app(primary: RCDMPipeline | FrozenEncoder, compare: RCDMPipeline | Non
         with gr.Tab("RCDM: what the representation keeps" if pipe else "What the representation keeps",
                     elem_id="tab-rcdm"):
             gr.Markdown(f"## What does the MSN representation keep?\n{intro}")
-            gr.Markdown(about, elem_id="decoder-info")
+            info = gr.Markdown(about, elem_id="decoder-info")
+            if isinstance(primary, LiveDecoder):  # the header follows the checkpoints as they land
+                gr.Timer(10.0).tick(primary.summary, None, info, api_visibility="private")
             clicked = gr.State(None)
             with gr.Row():
                 with gr.Column(scale=1):
@@ -349,8 +368,13 @@ def launch(bundle: str | Path, decoder: str | Path | None = None, *, compare: tu
                     "(--auth-file or --api-key-file adds one)", host)
     if decoder is None:
         log.info("no --decoder: the app offers masks and nearest neighbours, no sampling")
-    primary = (RCDMPipeline.from_dirs(bundle, decoder, device=device) if decoder is not None
-               else FrozenEncoder(bundle, device=device))
+    primary: RCDMPipeline | LiveDecoder | FrozenEncoder
+    if decoder is None:
+        primary = FrozenEncoder(bundle, device=device)
+    elif compare is not None or Path(decoder).is_file():
+        primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
+    else:  # a run directory: followed as it trains (waits for its config.yaml, not for a checkpoint)
+        primary = LiveDecoder(bundle, decoder, device=device)
     second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
     examples_dir = Path(tempfile.gettempdir()) / f"msn-visualize-examples-{os.getuid()}"  # reused across launches
     demo = build_app(primary, second, examples=example_images(examples_dir), serve_url=serve_url)

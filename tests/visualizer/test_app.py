@@ -97,7 +97,37 @@ def test_guidance_is_offered_for_a_decoder_trained_with_condition_dropout(guided
     for scale in (0.0, 2.5):
         _, gallery, status = client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, 2, 2, scale, 0,
                                             api_name="/sample")
-        assert len(gallery) == 2 and status == "2 samples from 32/64 kept patches"
+        assert len(gallery) == 2 and status == "2 samples from 32/64 kept patches (decoder step 3)"
+
+
+def test_the_app_opens_before_the_decoder_has_a_checkpoint_and_follows_it(tiny_bundle: Path, tiny_guided_run: Path,
+                                                                          sample_png: Path, tmp_path: Path) -> None:
+    """make demo opens the app while the decoder trains: before the first checkpoint, sampling says the decoder is
+    still training (masks work); once one lands, the next request samples with it and the header names its step."""
+    from gradio_client import Client, handle_file
+
+    from visualizer.app import launch
+
+    run = tmp_path / "training-run"
+    run.mkdir()
+    shutil.copy(tiny_guided_run / "config.yaml", run / "config.yaml")  # what `msn-visualize train` writes first
+    port = _free_port()
+    demo = launch(tiny_bundle, run, port=port, block=False)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        assert "no checkpoint yet" in _component(url, "decoder-info")["value"]
+        client = Client(url, verbose=False)
+        _, status = client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, api_name="/mask")
+        assert "32/64" in status
+        with pytest.raises(Exception, match="still training"):
+            client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, 2, 2, 1.0, 0, api_name="/sample")
+        shutil.copy(tiny_guided_run / "checkpoint.pt", run / "checkpoint.tmp")
+        (run / "checkpoint.tmp").replace(run / "checkpoint.pt")  # atomically, as training writes it
+        _, gallery, status = client.predict(handle_file(str(sample_png)), "random", 0.5, 0, 0.5, 2, 2, 1.0, 0,
+                                            api_name="/sample")
+        assert len(gallery) == 2 and status.endswith("(decoder step 3)")
+    finally:
+        demo.close()
 
 
 def test_examples_include_fashion_mnist_and_photos(tmp_path: Path) -> None:
