@@ -42,8 +42,7 @@ from visualizer.label_tab import build_label_tab
 from visualizer.live import DecoderNotReady, LiveDecoder
 from visualizer.masks import MODES, keep_bitmap, mask_spec
 from visualizer.neighbours import build_neighbours_panel
-from visualizer.pipeline import RCDMPipeline, load_image
-from visualizer.quality import describe
+from visualizer.pipeline import RCDMPipeline, decoder_summary, load_image
 from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
 
 __all__ = ["NO_DECODER", "build_app", "decoder_summary", "example_images", "launch", "password_check"]
@@ -99,16 +98,6 @@ def example_images(out_dir: str | os.PathLike, *, fashion_mnist: int = 6) -> lis
         _save_png(picture, path)
         paths.append(path)
     return paths
-
-
-def decoder_summary(pipe: RCDMPipeline) -> str:
-    """What the decoder is: its training step, its measured quality, and whether it can be guided."""
-    text = f"Decoder: step {pipe.step:,} of {pipe.config.optim.max_steps:,}; {describe(pipe.quality)}."
-    if pipe.guidance_trained:
-        return (f"{text} Trained with condition dropout {pipe.cond_drop_prob:g}: guidance 1 samples from the "
-                "embedding alone, 0 ignores it (unconditional), above 1 follows it more strictly.")
-    return (f"{text} Guidance is fixed at 1 (plain conditional sampling): this decoder was trained without condition "
-            "dropout, so it has no unconditional branch to guide with.")
 
 
 def kept_status(keep: np.ndarray, spec: dict[str, Any] | None) -> str:

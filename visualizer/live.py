@@ -15,7 +15,7 @@ from pathlib import Path
 
 from visualizer.config import RCDMConfig, config_from_dict, load_config
 from visualizer.features import FrozenEncoder
-from visualizer.pipeline import RCDMPipeline, load_run
+from visualizer.pipeline import RCDMPipeline, decoder_summary, load_run
 from visualizer.quality import describe
 
 __all__ = ["DecoderNotReady", "LiveDecoder"]
@@ -99,8 +99,6 @@ class LiveDecoder:
         if pipe is None:
             return (f"Decoder: training (run `{self.run}`), no checkpoint yet; the first comes at step "
                     f"{self.config.run.checkpoint_every_steps:,}, and this page loads each new one by itself.")
-        from visualizer.app import decoder_summary
-
         text = decoder_summary(pipe)
         if pipe.step < pipe.config.optim.max_steps and pipe.quality is None:
             text += " Still training: each new checkpoint is loaded as it lands."

@@ -25,8 +25,9 @@ from visualizer.config import MAX_GUIDANCE, RCDMConfig, config_from_dict
 from visualizer.decoder import RCDMDecoder
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, to_uint8
+from visualizer.quality import describe
 
-__all__ = ["CHECKPOINT_FORMAT", "RCDMPipeline", "load_image", "load_run", "resolve_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "RCDMPipeline", "decoder_summary", "load_image", "load_run", "resolve_checkpoint"]
 
 log = logging.getLogger("msn.visualize")
 CHECKPOINT_FORMAT = "rcdm-decoder-checkpoint"
@@ -130,3 +131,13 @@ class RCDMPipeline:
         images = self.diffusion.sample(self.decoder, feat.to(self.encoder.device), image_size=self.image_size,
                                        steps=steps, sampler=sampler, guidance_scale=scale, generator=generator)
         return to_uint8(images)
+
+
+def decoder_summary(pipe: RCDMPipeline) -> str:
+    """What the decoder is: its training step, its measured quality, and whether it can be guided."""
+    text = f"Decoder: step {pipe.step:,} of {pipe.config.optim.max_steps:,}; {describe(pipe.quality)}."
+    if pipe.guidance_trained:
+        return (f"{text} Trained with condition dropout {pipe.cond_drop_prob:g}: guidance 1 samples from the "
+                "embedding alone, 0 ignores it (unconditional), above 1 follows it more strictly.")
+    return (f"{text} Guidance is fixed at 1 (plain conditional sampling): this decoder was trained without condition "
+            "dropout, so it has no unconditional branch to guide with.")
