@@ -56,8 +56,9 @@ class EngineDesk:
                     self._record(json.loads(payload))
                 elif kind == b"X":
                     self.on_closed(wire.parse_closed(payload))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:  # gone, or a garbled stream
+            if isinstance(e, ValueError):
+                log.error("HTTP process link closed on a bad message: %s", e)
         finally:
             for task in list(self._calls):
                 task.cancel()

@@ -75,8 +75,8 @@ class EngineLink:
                 elif kind == b"C":
                     self.catalog = Catalog(json.loads(payload))
                     self._has_catalog.set()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            log.error("the engine process closed the link; this HTTP process stops")
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            log.error("the engine process closed the link (%s); this HTTP process stops", type(e).__name__)
         finally:
             self.lost = True
             for future, _ in self._pending.values():
