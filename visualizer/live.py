@@ -16,7 +16,6 @@ from pathlib import Path
 from visualizer.config import RCDMConfig, config_from_dict, load_config
 from visualizer.features import FrozenEncoder
 from visualizer.pipeline import RCDMPipeline, decoder_summary, load_run
-from visualizer.quality import describe
 
 __all__ = ["DecoderNotReady", "LiveDecoder"]
 
@@ -100,6 +99,6 @@ class LiveDecoder:
             return (f"Decoder: training (run `{self.run}`), no checkpoint yet; the first comes at step "
                     f"{self.config.run.checkpoint_every_steps:,}, and this page loads each new one by itself.")
         text = decoder_summary(pipe)
-        if pipe.step < pipe.config.optim.max_steps and pipe.quality is None:
+        if pipe.quality is None:  # quality is measured when a training invocation ends
             text += " Still training: each new checkpoint is loaded as it lands."
-        return text if pipe.quality is not None else text.replace(describe(None), "quality measured at the end")
+        return text

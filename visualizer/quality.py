@@ -37,7 +37,7 @@ from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, to_uint8
 from visualizer.measures import recall_at, reencoded_ranks, sharpness_ratio
 
-__all__ = ["LABELLED_PER_CLASS", "describe", "measure_quality"]
+__all__ = ["LABELLED_PER_CLASS", "balanced", "describe", "measure_quality"]
 
 log = logging.getLogger("msn.visualize")
 LABELLED_PER_CLASS = 100  # as rcdm_eval.py's default
@@ -46,7 +46,7 @@ MAX_LABELLED = 2000  # many classes: fewer labelled images per class, so the fig
 BATCH = 64
 
 
-def _balanced(labels: np.ndarray, per_class: int, rng: np.random.Generator, exclude: np.ndarray) -> np.ndarray:
+def balanced(labels: np.ndarray, per_class: int, rng: np.random.Generator, exclude: np.ndarray) -> np.ndarray:
     """Up to ``per_class`` indices of every class, not in ``exclude``, interleaved (class 0, 1, ..., 0, 1, ...)."""
     allowed = np.ones(len(labels), dtype=bool)
     allowed[exclude] = False
@@ -72,10 +72,10 @@ def _picks(data: DecoderData, wanted: int, rng: np.random.Generator) -> tuple[Da
         return held, np.sort(rng.permutation(len(held))[:wanted]), none
     train_labels = np.asarray(data.train.labels)
     per_class = max(1, min(LABELLED_PER_CLASS, MAX_LABELLED // len(np.unique(train_labels))))
-    labelled = _balanced(train_labels, per_class, rng, none)
+    labelled = balanced(train_labels, per_class, rng, none)
     held_labels = np.asarray(held.labels)
     per_held = -(-wanted // len(np.unique(held_labels)))
-    chosen = _balanced(held_labels, per_held, rng, labelled if held is data.train else none)[:wanted]
+    chosen = balanced(held_labels, per_held, rng, labelled if held is data.train else none)[:wanted]
     return held, chosen, labelled
 
 

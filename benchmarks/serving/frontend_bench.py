@@ -114,7 +114,7 @@ MODES = {"threads": "decode threads in one process", "processes": "decode worker
 
 def mode_args(mode: str, n: int) -> list[str]:
     return {"threads": ["--preprocess-threads", str(n)], "processes": ["--preprocess-workers", str(n)],
-            "http": ["--http-workers", str(n)], "single": ["--preprocess-threads", "2"]}[mode]
+            "http": ["--http-workers", str(n)]}[mode]
 
 
 def rss_kb(pid: int) -> int:

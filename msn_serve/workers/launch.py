@@ -134,8 +134,7 @@ def serve_with_workers(app: FastAPI, runtime: Runtime, overrides: dict[str, Any]
         server.run()
     finally:
         listener.close()
-        for path in (uds,):
-            if os.path.exists(path):
-                os.unlink(path)
+        if os.path.exists(uds):
+            os.unlink(uds)
         os.rmdir(private)
     return 0

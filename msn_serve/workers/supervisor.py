@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -53,7 +53,7 @@ class Slot:
     connections: int = 0
     restarts: int = 0
     deaths_in_a_row: int = 0
-    restarting: bool = field(default=False)
+    restarting: bool = False
 
     @property
     def live(self) -> bool:
