@@ -56,6 +56,7 @@ from training.run.probe import build_probe
 from training.run.stall import StallDetector, StallSettings
 from training.run.state import Progress, TrainState, batches_from
 from training.run.step import StepOutput, train_step
+from training.run.view_probe import build_view_probe
 
 log = logging.getLogger("msn.train")
 
@@ -128,13 +129,15 @@ def main(argv: list[str] | None = None) -> None:
         # 5. loop: optimiser steps with logs and periodic checkpoints
         stall_settings = StallSettings.from_config(cfg, run.global_batch,
                                                    plan.survey.detail_side if plan is not None else None)
+        view_probe = build_view_probe(run, length.total_steps) if info.rank == 0 else None  # run/view_probe.py
         monitor = TrainingMonitor(args.output_dir, enabled=info.rank == 0, total_steps=length.stop_at,
                                   start_step=progress.step, progress_bar=cfg.run.progress_bar,
                                   tensorboard=cfg.run.tensorboard, probe=probe,
                                   detector=CollapseDetector(RunGeometry.from_config(cfg)),
                                   stop_on_collapse=cfg.run.stop_on_collapse,
                                   stall_detector=StallDetector(stall_settings, total_steps=length.total_steps,
-                                                               start_step=progress.step))
+                                                               start_step=progress.step),
+                                  view_probe=view_probe)
         monitor.write(describe(run, length))
         last = train_loop(run, schedule, progress, monitor, checkpoints)
         # 6. save: the last step's checkpoint, unless the loop just wrote it

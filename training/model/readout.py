@@ -25,9 +25,21 @@ def read_feature(encoder: VisionTransformer, spec: FeatureSpec, images: Tensor, 
     ``keep_idx`` (B, K): kept patches, row-major (``-1``: padding); ``keep_mask`` (B, K): False marks padding.
     Without ``keep_idx`` every patch is kept.
     """
-    last = spec.n if spec.kind == "cls_last" else 1
+    return read_features(encoder, [spec], images, keep_idx, keep_mask)[0]
+
+
+def read_features(encoder: VisionTransformer, specs: list[FeatureSpec], images: Tensor,
+                  keep_idx: Tensor | None = None, keep_mask: Tensor | None = None) -> list[Tensor]:
+    """Several features of the same ``images`` from one forward pass (``read_feature`` for each spec)."""
+    last = max(spec.n if spec.kind == "cls_last" else 1 for spec in specs)
     gather_idx = None if keep_idx is None else keep_idx.clamp(min=0)
     blocks = encoder.forward_blocks(images, gather_idx, keep_mask, last=last)
+    return [_from_blocks(encoder, spec, blocks[-(spec.n if spec.kind == "cls_last" else 1):], images, keep_idx)
+            for spec in specs]
+
+
+def _from_blocks(encoder: VisionTransformer, spec: FeatureSpec, blocks: list[Tensor], images: Tensor,
+                 keep_idx: Tensor | None) -> Tensor:
     if spec.kind == "cls":
         cls = blocks[-1][:, 0]
         return cls if spec.pre_norm else encoder.norm(cls)

@@ -9,6 +9,9 @@ add to the same record, so a reader of ``metrics.jsonl`` sees one line per logge
 - the collapse detector (``training/run/collapse.py``), with or without labels: ``collapse`` and
   ``collapse_message`` on the step a collapse is confirmed, logged once as a warning. With ``run.stop_on_collapse``
   every rank agrees to stop there (``should_stop``: one tiny collective per logged step, only with that setting);
+- the view probe (``training/run/view_probe.py``), with or without labels: ``view_top1``, ``view_margin`` (and
+  their ``_cls`` forms), ``feature_rank``, the same at the run's start (``_start``) and ``view_seconds``, about
+  every 2 % of the run;
 - the stall detector (``training/run/stall.py``), with or without labels: ``stall`` and ``stall_message`` on the
   step a stall is confirmed, logged once as a warning. A stall never stops the run: it may still be worth finishing.
 """
@@ -28,6 +31,7 @@ from training import distributed as dist
 from training.run.collapse import Collapse, CollapseDetector
 from training.run.probe import KnnProbe
 from training.run.stall import Stall, StallDetector
+from training.run.view_probe import ViewProbe
 
 log = logging.getLogger("msn.train")
 
@@ -46,6 +50,7 @@ class TrainingMonitor:
         probe: KnnProbe | None = None,
         stop_on_collapse: bool = False,
         stall_detector: StallDetector | None = None,
+        view_probe: ViewProbe | None = None,
     ):
         self.enabled = enabled
         self.detector = detector if enabled else None
@@ -53,6 +58,7 @@ class TrainingMonitor:
         self.stop_on_collapse = stop_on_collapse
         self.collapse: Collapse | None = None  # the first collapse confirmed (rank 0)
         self.stall_detector = stall_detector if enabled else None
+        self.view_probe = view_probe if enabled else None
         self.stall: Stall | None = None  # the stall confirmed (rank 0)
         self.stopped_by: Collapse | str | None = None  # set on every rank when should_stop() says stop
         self._last_time = time.perf_counter()
@@ -84,8 +90,13 @@ class TrainingMonitor:
             result = self.probe.maybe(step, final=final)
             if result is not None:
                 extra.update(result.record())
+        if self.view_probe is not None:
+            signals = self.view_probe.maybe(step)
+            if signals is not None:
+                extra.update(signals.record(self.view_probe.start))
         now = time.perf_counter()
-        elapsed = max(now - self._last_time - extra.get("probe_seconds", 0.0), 1e-9)
+        probed = extra.get("probe_seconds", 0.0) + extra.get("view_seconds", 0.0)
+        elapsed = max(now - self._last_time - probed, 1e-9)
         record = {"step": step, "epoch": epoch, **values, "images_per_sec": self._images_since / elapsed, **extra}
         self._last_time, self._images_since = now, 0
         if not self.enabled:
@@ -122,7 +133,8 @@ class TrainingMonitor:
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "epoch"):
-                    group = "probe" if key in (knn, "probe_seconds") else "train"
+                    probed = key in (knn, "probe_seconds", "feature_rank") or key.startswith("view_")
+                    group = "probe" if probed else "train"
                     self.writer.add_scalar(f"{group}/{key}", value, step)
             if "collapse" in record:
                 self.writer.add_text("collapse", record["collapse_message"], step)
