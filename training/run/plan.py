@@ -20,15 +20,18 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
 3. **Views**: focal views (10, as the paper) at 96/224 of the image size when such a crop holds at least 4 x 4
    patches; crop scales are fractions of the area, so the paper's carry over to any size. Mask ratio: the
    paper's per model (0.15 for ViT-S/16) or the small-image recipe's 0.3 for a 16-patch image. Small images
-   holding at most 14 px of detail (``training/run/survey.py``: 8-px digits, also when resampled to 32 px) get
-   views that keep most of the image: crops of 60-100 % of the area, 15 % masked, no photometric jitter. With the
+   holding at most 14 px of detail (``training/run/survey.py``: the smallest of a bicubic round trip, the grid a
+   pixel-replicated image was enlarged from, and, for sparse ink, the width of its strokes; 8-px digits, also when
+   resampled to 28 or 32 px by any filter or drawn as MNIST's thick anti-aliased strokes) get views that keep
+   most of the image: crops of 60-100 % of the area, 15 % masked, no photometric jitter. With the
    official views such a run stalled near log K for its first thousands of steps; with these it learned from the
    start and its trunk more (10 minutes: the paper's CLS feature 90.8 against 87.6 kNN-20, the served feature
-   equal within one std; docs/results-notes.md). Fashion-MNIST and the rendered glyphs hold 19-28 px and keep
-   the official views. Folders whose images have plain backgrounds of differing grey (the survey's
-   ``background_spread``: the rendered glyphs) get each view's darkest and lightest grey redrawn
-   (``augment.levels_p``): otherwise two views share the background level and the encoder learns to sort images by
-   it (the glyphs' CLS token told their background quartile 95 % of the time and their digit 18.5 %).
+   equal within one std; docs/results-notes.md). Fashion-MNIST (28 px) and the rendered glyphs (16-19 px) keep
+   the official views: on the glyphs these views made the served feature worse. Folders whose images have plain
+   backgrounds of differing grey (the survey's ``background_spread``: the rendered glyphs) get each view's darkest
+   and lightest grey redrawn (``augment.levels_p``): otherwise two views share the background level and the
+   encoder learns to sort images by it (the glyphs' CLS token told their background quartile 95 % of the time and
+   their digit 18.5 %).
 4. **Batch per device**: on a GPU the largest power of two whose activations fit in 80 % of its memory (Korthikanti
    et al.'s estimate, ``training/run/machine.py``), up to the paper's global 1,024 and at most an eighth of the
    images; on a CPU the small-image recipe's 64 per step.
@@ -62,10 +65,10 @@ from training.run.machine import (
     encoder_parameters,
     step_flops_per_image,
 )
-from training.run.survey import DataSurvey, survey_data
+from training.run.survey import LOW_DETAIL, DataSurvey, survey_data
 
-__all__ = ["DataSurvey", "Plan", "lr_for_batch", "parse_budget", "plan_config", "plan_run", "set_length",
-           "survey_data"]
+__all__ = ["LOW_DETAIL", "DataSurvey", "Plan", "lr_for_batch", "parse_budget", "plan_config", "plan_run",
+           "set_length", "survey_data"]
 
 REFERENCE_BATCH, REFERENCE_LR = 1024, 1e-3  # the paper: global batch 1,024 at lr 1e-3 (ViT-S/16 and ViT-B/16)
 PAPER_START_LR = 2e-4
@@ -74,9 +77,10 @@ SMALL_GRID = 4  # patches per side of the small-image geometry (16 tokens)
 PATCH = 16  # the paper's patch size
 MAX_IMAGE_SIZE = 224  # the paper's view size; larger images are resized to it
 MIN_STEPS = 5_000  # a larger model must get at least this many optimiser steps
-# Images holding this little detail (training/run/survey.py) get views that keep most of them: crops of at least
-# LOW_DETAIL_CROP of the area, LOW_DETAIL_MASK of the patches masked, no colour jitter, grey or blur.
-LOW_DETAIL, LOW_DETAIL_CROP, LOW_DETAIL_MASK = MIN_IMAGE_SIZE // 2, 0.6, 0.15
+# Images holding at most LOW_DETAIL px of detail (training/run/survey.py: half the small-image recipe's 28 px) get
+# views that keep most of them: crops of at least LOW_DETAIL_CROP of the area, LOW_DETAIL_MASK of the patches
+# masked, no colour jitter, grey or blur.
+LOW_DETAIL_CROP, LOW_DETAIL_MASK = 0.6, 0.15
 # Plain backgrounds whose grey differs by at least this much (std, grey levels; training/run/survey.py) get views
 # whose levels are redrawn (``augment.levels_p``)
 LEVEL_SPREAD = 4.0
@@ -288,7 +292,7 @@ class _Candidate:
            "no focal views: a focal crop would hold fewer than 4 x 4 patches")
         if s.num_focal:
             ch("mask.focal_size", s.focal_size, "96/224 of the image size, as the paper")
-        if self.small and survey.detail_side <= LOW_DETAIL:
+        if self.small and survey.low_detail:
             _low_detail_views(plan, survey)
         else:
             ch("mask.ratio", s.mask_ratio, "the small-image recipe (16 patches)" if self.small else
@@ -329,8 +333,7 @@ class _Candidate:
 def _low_detail_views(plan: Plan, survey: DataSurvey) -> None:
     """Views that keep most of an image with little detail (module docstring, 3.): the official crops, masking and
     photometric jitter leave two views of an 8-px digit too little in common, and the run stalls at log K."""
-    detail = (f"the images hold {survey.detail_side} px of detail" + (
-        f" at {survey.side} px" if survey.detail_side < survey.side else ""))
+    detail = survey.describe_detail()
     ch = plan.choose
     ch("mask.rand_crop_scale", [LOW_DETAIL_CROP, 1.0],
        f"{detail}: a crop keeps at least {LOW_DETAIL_CROP * 100:.0f} % of the image (0.3 cuts a stroke fragment)")

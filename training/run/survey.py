@@ -5,12 +5,27 @@ Nothing here is random or timed: every process of a ``torchrun`` job surveys the
 same run (``training/run/plan.py``).
 
 **Detail** is the side the images' content needs, which can be far below their pixel size: scikit-learn's 8 x 8
-digits resampled to 32 px are 32-px files holding 8 px of detail. It is measured as the smallest side a sampled
-image can be shrunk to (by a whole or half factor, bicubic) and grown back from while keeping all but
-``DETAIL_TOLERANCE`` of its variance, and the median over a few sampled images is kept (per image, so a folder
-mixing sizes reads as its typical image). Measured: the 32-px digits 8 px (they keep 97.8 % of their variance
-through 8 px), Fashion-MNIST 28 px (it loses 7 % at the first step down, 28 -> 19 px), the rendered glyphs, a third
-of them 16-px glyphs resized to 28 px, 19 or 28 px depending on the files sampled.
+digits resampled to 32 px are 32-px files holding 8 px of detail. How a file was made changes what shows, so each
+sampled image is read three ways and its detail is the smallest reading; the folder's is the median over a few
+sampled images (per image, so a folder mixing sizes reads as its typical image):
+
+- **round trip**: the smallest side the image can be shrunk to (by a whole or half factor, bicubic) and grown back
+  from while keeping all but ``DETAIL_TOLERANCE`` of its variance. Smoothly resampled digits read 9 px at 28 px;
+  Fashion-MNIST 28 (it loses 7 % at the first step down, 28 -> 19 px).
+- **pixel grid**: an image enlarged by pixel replication (nearest or box resampling) has sharp block edges no
+  round trip keeps (the 8-px digits at 28 px read 28 that way), but it repeats rows and columns: its side times
+  the share of its rows (or columns) with content that differ from the row before is the side it was enlarged
+  from (8 for those digits).
+- **strokes**: where the ink (pixels more than halfway from the border's grey to the brightest) covers at most
+  ``SPARSE_INK`` of the image, the side at which its strokes would be ``STROKE_PX`` wide: side x ``STROKE_PX`` /
+  stroke width, the width read as twice the ink's area over its perimeter. Sharp, near-binary strokes (MNIST's
+  make-up: a binary digit anti-aliased into 28 px) read 28 px in the other two ways whatever the shape they draw;
+  thick strokes say the shape is coarse. The handwritten 28-px form of the digits (strokes 3.0 px) reads 12 px,
+  the rendered glyphs (2.2 px) 16; ``STROKE_PX`` sits between them (docs/results-notes.md, "Which 28-px digit
+  folders read as low-detail").
+
+Measured (``python -m benchmarks.training.digit_forms``): every 28-px form of the digits 8-12 px, Fashion-MNIST
+28 px (round trip), the rendered glyphs (16/28/32 px mixed, read at 28) 16 (strokes; 19 by the round trip).
 
 **Background levels**: the grey of each sampled image's border (its outer ``BORDER_PX`` ring), kept when the ring
 is flat (a plain background, not a photograph's edge), and their spread over the folder: the standard deviation
@@ -24,6 +39,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,12 +47,18 @@ from PIL import Image
 
 from msn_core.sources import FILE_SOURCES, list_images
 
-__all__ = ["DataSurvey", "background_spread", "detail_side", "survey_data"]
+__all__ = ["LOW_DETAIL", "DataSurvey", "background_spread", "detail_reading", "detail_side", "image_detail",
+           "stroke_width", "survey_data"]
 
 SAMPLED_FILES, STATS_FILES = 256, 64
 DETAIL_FACTORS = (1.5, 2, 3, 4, 6, 8)  # the steps down tried, in order
 DETAIL_TOLERANCE = 0.03  # share of the images' variance a round trip may lose and still count as holding the detail
 DETAIL_MAX_SIDE = 128  # larger images are taken at their size: the rule it feeds only concerns small images
+GRID_TOLERANCE = 1.0  # grey levels: neighbouring rows this close count as one replicated row
+SPARSE_INK = 0.25  # strokes are read only where the ink covers at most this share of the image
+STROKE_PX = 1.25  # the strokes reading: the side at which the ink's strokes would be this wide (module docstring)
+READINGS = ("round trip", "pixel grid", "strokes")
+LOW_DETAIL = 14  # px: small images holding at most this much detail get views that keep most of them (plan.py)
 BORDER_PX = 2  # the ring read as an image's background
 FLAT_BORDER = 6.0  # grey levels: a ring whose interquartile range is at most this is a plain background
 MIN_FLAT_SHARE = 0.5  # the levels' spread is only read when at least this share of the sampled images has one
@@ -55,10 +77,29 @@ class DataSurvey:
     std: list[float] | None = None
     detail: int | None = None  # the side the content needs (``detail_side``); None: not measured, ``side``
     background_spread: float | None = None  # std of plain backgrounds' grey levels (0-255); None: not measured
+    detail_reading: str | None = None  # which of ``READINGS`` gave ``detail``
 
     @property
     def detail_side(self) -> int:
         return self.detail or self.side
+
+    @property
+    def low_detail(self) -> bool:
+        """The images hold at most ``LOW_DETAIL`` px of detail: the plan's easy views, the stall warning's advice.
+        False when not measured (in-memory sources, images over ``DETAIL_MAX_SIDE``)."""
+        return self.detail_side <= LOW_DETAIL
+
+    def describe_detail(self) -> str:
+        """What the plan's reason says was measured: "the images hold 12 px of detail at 28 px (strokes about 2.9 px
+        wide)"; nothing in brackets for the round trip."""
+        text = f"the images hold {self.detail_side} px of detail"
+        if self.detail_side < self.side:
+            text += f" at {self.side} px"
+        if self.detail_reading == "pixel grid":
+            text += " (enlarged by pixel replication)"
+        elif self.detail_reading == "strokes":
+            text += f" (strokes about {STROKE_PX * self.side / self.detail_side:.1f} px wide)"
+        return text
 
 
 def survey_data(source: str, root: str | None, *, image_root: str | None = None, subset: str | None = None,
@@ -90,8 +131,9 @@ def survey_data(source: str, root: str | None, *, image_root: str | None = None,
     mean, std = _colour_statistics(few)
     side = int(statistics.median(sides))
     grey = _grey_images(few, side)
-    return DataSurvey(listing.describe(), len(listing.files), side, False, mean, std,
-                      detail_side(grey) if grey and side <= DETAIL_MAX_SIDE else None, background_spread(grey))
+    detail, reading = detail_reading(grey) if grey and side <= DETAIL_MAX_SIDE else (None, None)
+    return DataSurvey(listing.describe(), len(listing.files), side, False, mean, std, detail,
+                      background_spread(grey), reading)
 
 
 def _colour_statistics(files: list[str]) -> tuple[list[float] | None, list[float] | None]:
@@ -130,9 +172,7 @@ def background_spread(images: list[np.ndarray]) -> float | None:
     when fewer than ``MIN_FLAT_SHARE`` of them have one (photographs: their edges are content)."""
     levels = []
     for image in images:
-        ring = np.concatenate([image[:BORDER_PX].ravel(), image[-BORDER_PX:].ravel(),
-                               image[BORDER_PX:-BORDER_PX, :BORDER_PX].ravel(),
-                               image[BORDER_PX:-BORDER_PX, -BORDER_PX:].ravel()])
+        ring = _ring(image)
         low, high = np.percentile(ring, [25, 75])
         if high - low <= FLAT_BORDER:
             levels.append(float(np.median(ring)))
@@ -142,14 +182,30 @@ def background_spread(images: list[np.ndarray]) -> float | None:
 
 
 def detail_side(images: list[np.ndarray]) -> int:
-    """The median over ``images`` (grey 2-D arrays of one size) of the smallest side (theirs divided by one of
-    ``DETAIL_FACTORS``) that a bicubic shrink and regrow keeps all but ``DETAIL_TOLERANCE`` of an image's variance
-    through; an image none does, or a flat one, keeps its side. Per image, so a folder that mixes sizes is read by
-    its typical image rather than by a blend of them."""
-    return int(statistics.median(_image_detail(image) for image in images))
+    """The median over ``images`` (grey 2-D arrays of one size) of each image's detail (``image_detail``). Per
+    image, so a folder that mixes sizes is read by its typical image rather than by a blend of them."""
+    return int(statistics.median(image_detail(image)[0] for image in images))
 
 
-def _image_detail(image: np.ndarray) -> int:
+def detail_reading(images: list[np.ndarray]) -> tuple[int, str]:
+    """``detail_side`` and the reading (one of ``READINGS``) that gave it on most of the images at or under the
+    median: what the plan's reason names."""
+    readings = [image_detail(image) for image in images]
+    side = int(statistics.median(value for value, _ in readings))
+    named = Counter(name for value, name in readings if value <= side)
+    return side, max(READINGS, key=lambda name: named[name])  # ties: the first of READINGS
+
+
+def image_detail(image: np.ndarray) -> tuple[int, str]:
+    """The smallest of the three readings of one image's detail, and its name (module docstring)."""
+    readings = [(_round_trip_detail(image), "round trip"), (_grid_detail(image), "pixel grid")]
+    width = stroke_width(image)
+    if width is not None:
+        readings.append((min(image.shape[0], max(2, round(image.shape[0] * STROKE_PX / width))), "strokes"))
+    return min(readings, key=lambda reading: reading[0])  # min keeps the first of equals: the round trip
+
+
+def _round_trip_detail(image: np.ndarray) -> int:
     side = image.shape[0]
     variance = float(((image - image.mean()) ** 2).sum())
     best = side
@@ -168,3 +224,42 @@ def _round_trip_error(image: np.ndarray, small: int) -> float:
     pil = Image.fromarray(image.astype(np.float32), mode="F")
     back = np.asarray(pil.resize((small, small), Image.BICUBIC).resize((w, h), Image.BICUBIC), dtype=np.float64)
     return float(((image - back) ** 2).sum())
+
+
+def _grid_detail(image: np.ndarray) -> int:
+    """The side the image was enlarged from by pixel replication (nearest or box resampling): its side times the
+    share of its rows with content (or columns, whichever is larger) that differ from the row before (plain
+    background rows repeat in any image: not counted)."""
+    side, shares = image.shape[0], []
+    for lines in (image, image.T):
+        plain = np.ptp(lines, axis=1) <= GRID_TOLERANCE
+        step = np.abs(np.diff(lines, axis=0)).max(axis=1) > GRID_TOLERANCE
+        content = ~plain
+        repeats = content[1:] & content[:-1] & ~step  # a content row equal to the one before it
+        if content.any():
+            shares.append(1.0 - float(repeats.sum()) / float(content.sum()))
+    return side if not shares else min(side, max(2, round(side * max(shares))))
+
+
+def stroke_width(image: np.ndarray) -> float | None:
+    """The ink's typical stroke width in pixels (twice its area over its perimeter: a long stroke of width w has
+    area w x length and perimeter about 2 x length), or None when the ink is not strokes: more than
+    ``SPARSE_INK`` of the image (filled shapes: Fashion-MNIST's garments) or none at all. Ink: the pixels more
+    than halfway from the border's grey (the background) to the image's 99th-percentile grey."""
+    background = float(np.median(_ring(image)))
+    top = float(np.percentile(image, 99))
+    if abs(top - background) <= FLAT_BORDER:  # ink as dark as the background, or dark ink: not read
+        return None
+    ink = image > background + 0.5 * (top - background)
+    if not ink.any() or ink.mean() > SPARSE_INK:
+        return None
+    padded = np.pad(ink, 1)
+    perimeter = int((padded[1:] != padded[:-1]).sum() + (padded[:, 1:] != padded[:, :-1]).sum())
+    return 2.0 * float(ink.sum()) / perimeter
+
+
+def _ring(image: np.ndarray) -> np.ndarray:
+    """The outer ``BORDER_PX`` pixels of an image: where a plain background shows."""
+    return np.concatenate([image[:BORDER_PX].ravel(), image[-BORDER_PX:].ravel(),
+                           image[BORDER_PX:-BORDER_PX, :BORDER_PX].ravel(),
+                           image[BORDER_PX:-BORDER_PX, -BORDER_PX:].ravel()])
