@@ -138,7 +138,13 @@ class RunConfig:
     # auto | fp32 | bf16. auto: bf16 on GPUs that support it, fp32 on CPUs without bf16 units; on CPUs with them
     # (AMX, AVX512-BF16) the faster of the two, timed on the run's first steps (training/run/precision_timing.py)
     precision: str = "auto"
-    compile: bool = False
+    # auto | explicit | sdpa: attention in bf16 on a CPU (training/model/vit.py). auto: timed against each other
+    # with the precision on the run's first steps (training/run/speed_timing.py), else explicit (fp32 logits)
+    cpu_attention: str = "auto"
+    # torch's intra-op threads on a CPU (0: auto, torch's default for the process, timed against one fewer when data
+    # loader workers share the cores)
+    cpu_threads: int = 0
+    compile: bool = False  # torch.compile the online network; the user's choice, never timed (speed_timing.py)
     max_steps: int | None = None  # stop after this many optimiser steps (smoke tests, benchmarks)
     checkpoint_every_steps: int = 500
     keep_epoch_checkpoints: int = 0  # also keep checkpoint-epNNN.pt every N epochs (0: only the latest)
@@ -289,6 +295,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.feature: {err}") from None
     if cfg.run.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision={cfg.run.precision!r}: expected auto, fp32 or bf16")
+    if cfg.run.cpu_attention not in ("auto", "explicit", "sdpa"):
+        raise ConfigError(f"run.cpu_attention={cfg.run.cpu_attention!r}: expected auto, explicit or sdpa")
+    if cfg.run.cpu_threads < 0:
+        raise ConfigError(f"run.cpu_threads={cfg.run.cpu_threads} must be >= 0 (0: auto)")
     if cfg.run.probe_every_steps < 0 or cfg.run.probe_images < 0:
         raise ConfigError(f"run.probe_every_steps={cfg.run.probe_every_steps} and run.probe_images="
                           f"{cfg.run.probe_images} must be >= 0 (0 turns the kNN probe off)")

@@ -51,7 +51,7 @@ from training.run.collapse import CollapseDetector, RunGeometry
 from training.run.length import RunLength, RunSchedule, schedule_run
 from training.run.monitor import TrainingMonitor
 from training.run.plan import Plan, parse_budget, plan_config, set_length
-from training.run.precision_timing import PrecisionChoice, choose_precision
+from training.run.precision_timing import SpeedChoice, choose_speed, use_setting
 from training.run.probe import build_probe
 from training.run.stall import StallDetector, StallSettings
 from training.run.state import Progress, TrainState, batches_from
@@ -113,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         if resumed:
             progress = checkpoints.resume()
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
-        # precision: auto on a CPU with bf16 units times both on this run's steps, undone (run/precision_timing.py)
-        choice = choose_precision(run, resumed=resumed, stored=checkpoints.stored_precision)
+        # precision, bf16 CPU attention, CPU threads: auto times the candidates on this run's steps, undone
+        # (run/precision_timing.py); a resumed run keeps its checkpoint's
+        stored = {**(checkpoints.stored_run or {}), "precision": checkpoints.stored_precision} if resumed else None
+        choice = choose_speed(run, stored=stored)
         keep_precision(run, choice, plan)
         if info.rank == 0:  # nothing changes the config after the precision: it is written now, once
             write_run_config(run.cfg, args.output_dir, plan, choice)
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         # resizes both from its measured rate (training/run/budget.py; a timed precision's rate seeds the first
         # length, so no step is timed twice); every checkpoint stores the length
         schedule = schedule_run(run, stored=checkpoints.stored_length, started_at=started_at,
-                                seconds_per_step=choice.seconds_per_step.get(choice.precision))
+                                seconds_per_step=choice.chosen_seconds_per_step)
         state.length = schedule
         length = schedule.length
         # 5. loop: optimiser steps with logs and periodic checkpoints
@@ -217,30 +219,33 @@ def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: Tra
     return last
 
 
-def keep_precision(run: Run, choice: PrecisionChoice, plan: Plan | None) -> None:
-    """Train in the chosen precision and say so: the config (and so ``config.yaml`` and the checkpoints) holds it
-    as the resolved ``run.precision``; a planned run's plan takes it as its line, unless ``--set`` fixed it, and
-    rank 0 prints the plan block with it (a run from a recipe logs the reason)."""
-    run.use_precision(choice.precision)
-    run.cfg.run.precision = choice.precision
-    if plan is not None and "run.precision" not in plan.fixed:
-        plan.values["run.precision"], plan.reasons["run.precision"] = choice.precision, choice.reason
+def keep_precision(run: Run, choice: SpeedChoice, plan: Plan | None) -> None:
+    """Train in the chosen settings (precision, and on a CPU the bf16 attention kernel and threads) and say so: the
+    config (and so ``config.yaml`` and the checkpoints) holds their resolved values; a planned run's plan takes each
+    as its line, unless ``--set`` fixed it, and rank 0 prints the plan block with them (a run from a recipe logs
+    each reason)."""
+    use_setting(run, choice.setting)
+    for key, value in choice.values().items():
+        setattr(run.cfg.run, key.split(".")[1], value)
+        if plan is not None and key not in plan.fixed:
+            plan.values[key], plan.reasons[key] = value, choice.reasons[key]
     if run.info.rank != 0:
         return
     if plan is not None:
         print(plan.describe(), flush=True)
     else:
-        log.info("run.precision %s: %s", choice.precision, choice.reason)
+        for key, value in choice.values().items():
+            log.info("%s %s: %s", key, value, choice.reasons[key])
 
 
-def write_run_config(cfg: Config, output_dir: Path, plan: Plan | None, choice: PrecisionChoice) -> None:
+def write_run_config(cfg: Config, output_dir: Path, plan: Plan | None, choice: SpeedChoice) -> None:
     """Write the run's ``config.yaml``: the one writer, called by rank 0 once the config is settled (after resuming
-    and the precision choice, the last step that changes it). Beside the resolved config, a ``plan`` section that
-    loading skips says why: a planned run's plan, or for a run from a recipe the precision's reason, with the
-    timing's measurement when the precision was timed."""
-    record = plan.record() if plan is not None else {"why": {"run.precision": choice.reason}}
+    and the speed choice, the last step that changes it). Beside the resolved config, a ``plan`` section that
+    loading skips says why: a planned run's plan, or for a run from a recipe the speed settings' reasons, with the
+    timing's measurement (``speed_timing``) when they were timed."""
+    record = plan.record() if plan is not None else {"why": dict(choice.reasons)}
     if choice.timed:
-        record["precision_timing"] = choice.record()
+        record["speed_timing"] = choice.record()
     dump_config(cfg, output_dir / "config.yaml", plan=record)
 
 

@@ -16,6 +16,12 @@ official step.
     python -m benchmarks.gpu.training --official /tmp/msn-gpu/payload/official_msn --out training.json
     python -m benchmarks.gpu.training --device cpu --batch 8 --steps 4 --official DIR --out /tmp/t.json  # real model
     python -m benchmarks.gpu.training --quick --device cpu --out /tmp/t.json      # dry run: tiny, on the CPU
+    python -m benchmarks.gpu.training --device cpu --batch 16 --steps 4 --cpu-attention auto explicit sdpa ...
+
+``--cpu-attention`` (a CPU in bf16; fp32 attention is SDPA): rows with each named kernel (``run.cpu_attention``).
+``auto`` first runs the trainer's own timing pass on this pairing (:mod:`benchmarks.training.speed_choice`; threads
+kept at torch's default, so only the kernel is timed) and measures the rows with the kernel it chose; its record
+is ``speed_timing`` in the JSON. A kernel already measured is not measured again.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, machine, save_json
+from benchmarks.training.speed_choice import speed_choice
 from benchmarks.training.step_breakdown import for_device, measure
 from benchmarks.training.train_throughput import COMMON, PRESETS, matmul_ceiling, run_once, split_preset
 
@@ -37,11 +44,11 @@ QUICK_CPU = ["model.arch=vit_tiny", "model.patch_size=16", "model.image_size=64"
 
 
 def ours(overrides: list[str], precision: str, steps: int, warmup: int, profile_dir: Path, quick: bool,
-         profile: bool) -> tuple[dict, dict]:
+         profile: bool, extra: list[str] = ()) -> tuple[dict, dict]:
     """The trainer's row (a child process, data loading and logging included) and the in-process breakdown
     (profiled when ``profile``: one precision is enough, a CUDA trace is large and the profiler slow)."""
     config, items = split_preset(overrides)
-    items = items + ["mask.ratio=0.15", f"run.precision={precision}"]
+    items = items + ["mask.ratio=0.15", f"run.precision={precision}", *extra]
     with tempfile.TemporaryDirectory() as tmp:
         row = run_once(config, items, Path(tmp))
     parts = measure(config, items, steps=steps, warmup=warmup, out=profile_dir, tag=precision,
@@ -77,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="our trainer's steps per row; timed steps of the official row and of each breakdown "
                          "phase: the smaller of this and 30 / 10 (a few on a CPU: ViT-S/16 takes seconds a step)")
     ap.add_argument("--batch", type=int, default=64, help="per-process batch, ours and the official alike")
+    ap.add_argument("--cpu-attention", nargs="+", choices=["auto", "explicit", "sdpa"], default=["auto"],
+                    help="bf16 attention kernels on a CPU, a row each (auto: the trainer's timing picks)")
     a = ap.parse_args(argv)
+    import torch  # after the arguments: --help needs no torch
     timed = 1 if a.quick else min(a.steps, 10)  # breakdown calls per phase
     warmup = 1 if a.quick else min(3, max(1, a.steps // 4))
     if a.quick:
@@ -88,39 +98,60 @@ def main(argv: list[str] | None = None) -> int:
                                                                            f"run.log_every_steps={log_every}"]
     profile_dir = a.out.with_name(a.out.stem + "-profile")
     result: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": overrides,
-                    "common": COMMON, "ceilings_gflops": {}, "rows": [], "breakdown": {}}
+                    "common": COMMON, "ceilings_gflops": {}, "rows": [], "breakdown": {}, "speed_timing": {}}
     sizes = (256, 512) if a.quick else None
     for p in ("bf16", "fp32"):
         result["ceilings_gflops"][p] = matmul_ceiling(a.device, p, sizes, 0.2 if a.quick else 1.0) / 1e9
     save_json(a.out, result)
     for precision in a.precisions:
-        row, parts = ours(overrides, precision, timed, warmup, profile_dir, a.quick, precision == a.precisions[0])
-        rows = [row]
-        if a.official is None or not (a.official / "src").is_dir():
-            rows.append({"implementation": "official", "precision": precision,
-                         "skipped": "no official sources (python -m benchmarks.gpu.pack puts them in the payload)"})
-        else:
-            rows.append(official(a.official, a.device, precision, a.quick, a.timeout, a.batch,
-                                 min(a.steps, 30), warmup if a.steps < 30 else 5))
-        if "step_s_median" in rows[1]:  # like for like: both steps on views already made
-            parts["official_s_per_step"] = rows[1]["step_s_median"]
-            parts["speedup_on_views_vs_official"] = rows[1]["step_s_median"] / parts["phases"]["step_on_views"][
-                "s_per_step"]
-        result["breakdown"][precision] = parts
-        print(json.dumps({"breakdown": precision, **{k: v["s_per_step"] for k, v in parts["phases"].items()},
-                          "syncs_per_step": parts.get("syncs_per_step")}), flush=True)
-        flops = rows[0]["gflop_per_image"]
-        for row in rows:
-            if "images_per_sec" in row:
-                achieved = flops * row["images_per_sec"]
-                row["achieved_gflops"] = achieved
-                row["mfu_vs_bf16_peak"] = achieved / result["ceilings_gflops"]["bf16"]
-                row["mfu_vs_own_precision_peak"] = achieved / result["ceilings_gflops"][precision]
-            print(json.dumps(row), flush=True)
-        if all("images_per_sec" in r for r in rows):
-            rows[0]["speedup_vs_official"] = rows[0]["images_per_sec"] / rows[1]["images_per_sec"]
-        result["rows"] += rows
-        save_json(a.out, result)
+        kernels = a.cpu_attention if a.device == "cpu" and precision == "bf16" else ["sdpa"]  # fp32: always SDPA
+        measured: set[str] = set()
+        for kernel in kernels:
+            label = kernel
+            if kernel == "auto":
+                config, items = split_preset(overrides)
+                timing = speed_choice(config, [*items, "mask.ratio=0.15", f"run.precision={precision}",
+                                               f"run.cpu_threads={torch.get_num_threads()}"])
+                result["speed_timing"][precision] = timing
+                print(json.dumps({"speed_timing": precision, **timing}), flush=True)
+                kernel = timing["chosen"]["run.cpu_attention"]
+                label = f"auto: {kernel}"
+            if kernel in measured:
+                continue
+            measured.add(kernel)
+            key = f"{precision} {kernel}" if a.device == "cpu" and precision == "bf16" else precision
+            extra = [f"run.cpu_attention={kernel}"] if key != precision else []
+            row, parts = ours(overrides, precision, timed, warmup, profile_dir, a.quick,
+                              precision == a.precisions[0] and len(measured) == 1, extra)
+            row.update(key=key, cpu_attention=label)
+            rows = [row]
+            if a.official is None or not (a.official / "src").is_dir():
+                rows.append({"implementation": "official", "precision": precision,
+                             "skipped": "no official sources (python -m benchmarks.gpu.pack puts them in the payload)"})
+            else:
+                rows.append(official(a.official, a.device, precision, a.quick, a.timeout, a.batch,
+                                     min(a.steps, 30), warmup if a.steps < 30 else 5))
+            rows[1]["key"] = key
+            if "step_s_median" in rows[1]:  # like for like: both steps on views already made
+                parts["official_s_per_step"] = rows[1]["step_s_median"]
+                parts["speedup_on_views_vs_official"] = rows[1]["step_s_median"] / parts["phases"]["step_on_views"][
+                    "s_per_step"]
+            parts["cpu_attention"] = label
+            result["breakdown"][key] = parts
+            print(json.dumps({"breakdown": key, **{k: v["s_per_step"] for k, v in parts["phases"].items()},
+                              "syncs_per_step": parts.get("syncs_per_step")}), flush=True)
+            flops = rows[0]["gflop_per_image"]
+            for row in rows:
+                if "images_per_sec" in row:
+                    achieved = flops * row["images_per_sec"]
+                    row["achieved_gflops"] = achieved
+                    row["mfu_vs_bf16_peak"] = achieved / result["ceilings_gflops"]["bf16"]
+                    row["mfu_vs_own_precision_peak"] = achieved / result["ceilings_gflops"][precision]
+                print(json.dumps(row), flush=True)
+            if all("images_per_sec" in r for r in rows):
+                rows[0]["speedup_vs_official"] = rows[0]["images_per_sec"] / rows[1]["images_per_sec"]
+            result["rows"] += rows
+            save_json(a.out, result)
     print(f"wrote {a.out}")
     return 0
 

@@ -29,39 +29,38 @@ def _flags(m: dict) -> str:
 
 def cpu_pairing(report: dict) -> list[str]:
     """The pairing at the real model on a CPU (``benchmarks.gpu.training --device cpu``): what the GPU run will
-    measure, proven to run, and the like-for-like step ratio on this machine."""
+    measure, proven to run, and the like-for-like step ratio on this machine; a row per bf16 attention kernel
+    (``--cpu-attention``) and what the trainer's timing chose among them."""
     batch = report["rows"][0]["batch"]
+    focal = next((o.split("=")[1] for o in report["overrides"] if o.startswith("mask.num_focal=")), "?")
+    labels = [r["cpu_attention"] for r in report["rows"] if r.get("cpu_attention") and r["precision"] == "bf16"]
+    kernels = " ".join(dict.fromkeys(k for label in labels for k in label.split(": "))) or "auto"  # auto: explicit
     lines = ["### The same pairing on a CPU", "",
-             (f"`python -m benchmarks.gpu.training --device cpu --batch {batch} --steps 4 --official DIR` "
-              f"(`benchmarks/results/training-pairing-cpu/pairing.json`; {_flags(report['machine'])}; the machine "
-              "otherwise alone): the real ViT-S/16 pairing above at batch "
-              f"{batch}. *step*, *on views*, *augmentation*: our step whole, on views made beforehand (what the "
-              "official row times), and the augmentation alone (`benchmarks/training/step_breakdown.py`)."), "",
-             ("| precision | ours: trainer images/s | official images/s | ours: s/step (step / on views / augmentation) "
-              "| official s/step | ours on views vs official |"), "|---|---|---|---|---|---|"]
-    for precision, parts in report["breakdown"].items():
-        rows = {r["implementation"]: r for r in report["rows"] if r["precision"] == precision}
+             (f"`python -m benchmarks.gpu.training --device cpu --batch {batch} --steps 4 --cpu-attention {kernels} "
+              f"--official DIR` (`benchmarks/results/training-pairing-cpu/pairing.json`; {_flags(report['machine'])}; "
+              f"the machine otherwise alone): the real ViT-S/16 pairing above at batch {batch} with {focal} focal "
+              "views. *step*, *on views*, *augmentation*: our step whole, on views made beforehand (what the "
+              "official row times), and the augmentation alone (`benchmarks/training/step_breakdown.py`). "
+              "*attention*: the bf16 CPU kernel (`run.cpu_attention`; fp32 is always SDPA); *auto* is what the "
+              "trainer's timing pass chose on this pairing."), "",
+             ("| precision | attention | ours: trainer images/s | official images/s | ours: s/step (step / on views / "
+              "augmentation) | official s/step | ours on views vs official |"), "|---|---|---|---|---|---|---|"]
+    for key, parts in report["breakdown"].items():
+        rows = {r["implementation"]: r for r in report["rows"] if r.get("key", r["precision"]) == key}
         ph = {k: v["s_per_step"] for k, v in parts["phases"].items()}
         official = rows.get("official", {})
-        lines.append(f"| {precision} | {rows['ours']['images_per_sec']:.2f} | "
+        lines.append(f"| {rows['ours']['precision']} | {parts.get('cpu_attention', 'sdpa')} | "
+                     f"{rows['ours']['images_per_sec']:.2f} | "
                      f"{official.get('images_per_sec', float('nan')):.2f} | {ph['step']:.2f} / "
                      f"{ph['step_on_views']:.2f} / {ph['augment']:.2f} | "
                      f"{official.get('step_s_median', float('nan')):.2f} | "
                      f"×{parts.get('speedup_on_views_vs_official', float('nan')):.2f} |")
+    for precision, timing in report.get("speed_timing", {}).items():
+        rates = ", ".join(f"{k} {v:.2f}" for k, v in timing["images_per_second"].items())
+        lines += ["", (f"The trainer's timing pass on this pairing in {precision} (`training/run/precision_timing.py`"
+                       f", {timing['steps']} steps undone, {timing['seconds']:.0f} s; threads kept at torch's default): "
+                       f"{rates} images/s; it chose **{timing['chosen']['run.cpu_attention']}**.")]
     return lines + [""]
-
-
-def _before_after(before: dict, after: dict) -> str:
-    """One sentence: our bf16 step on views before and after the CPU attention change, and the official step's
-    spread between the runs (a few timed steps each: ratios near 1 are within it)."""
-    step = [r["breakdown"]["bf16"]["phases"]["step_on_views"]["s_per_step"] for r in (before, after)]
-    official = [r["breakdown"]["bf16"].get("official_s_per_step", float("nan")) for r in (before, after)]
-    return (f"In bf16 our step on views went from {step[0]:.2f} to {step[1]:.2f} s when attention on CPUs in bf16 "
-            "left PyTorch's fused CPU kernel for an explicit softmax(q kᵀ) v with fp32 logits "
-            "(`training/model/vit.py`; the run before: `pairing-sdpa.json`, same machine, alone); the official step "
-            f"took {official[0]:.2f} and {official[1]:.2f} s in the same two runs, so on this CPU the two steps are "
-            "within the run-to-run spread of each other. The trainer's row adds data loading and logging to the step, "
-            "which the official row leaves out.")
 
 
 def section(results: Path) -> list[str]:
@@ -119,9 +118,6 @@ def section(results: Path) -> list[str]:
     pairing = _load(results / "training-pairing-cpu" / "pairing.json")
     if pairing is not None and pairing.get("breakdown"):
         lines += cpu_pairing(pairing)
-        before = _load(results / "training-pairing-cpu" / "pairing-sdpa.json")
-        if before is not None:
-            lines += [_before_after(before, pairing), ""]
     if faiss is not None:
         r = faiss["rows"][0]
         lines += ["### FAISS on that machine", "",

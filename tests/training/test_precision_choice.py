@@ -2,7 +2,8 @@
 
 The steps are real steps of a tiny model; only the clock is simulated (a timer that runs the step and reports a
 chosen duration), so the tests decide the same on any CPU, with or without bf16 units. The timing's schedule is
-shortened to one warm-up step and three windows of one step per precision, to keep the tests fast.
+shortened to one warm-up step and three windows of one step per precision, to keep the tests fast. The attention
+kernel is fixed here (and no loader workers leave threads to time): ``test_speed_timing.py`` times those.
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from training import distributed as dist
 from training.config import load_config
 from training.run import precision_timing
 from training.run.build import Run, build_run
-from training.run.precision_timing import PrecisionChoice, choose_precision, timing_steps
+from training.run.precision_timing import Setting, SpeedChoice, choose_speed, timing_steps
 from training.run.step import start_hyperparameters, train_step
 
 from .test_precision import AVX2_ONLY, AVX512_BF16, TINY
 
-LONG = [*TINY, "optim.total_steps=10000"]  # long enough to pay for the timing
+LONG = [*TINY, "optim.total_steps=10000", "run.cpu_attention=explicit"]  # long enough to pay for the timing
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +41,8 @@ def _clock(bf16: list[float] | float, fp32: float = 0.01):
     """A timer that runs the real step and reports simulated seconds: ``bf16`` per call (a list: call by call)."""
     calls: Counter[str] = Counter()
 
-    def timer(precision, step):
+    def timer(setting, step):
+        precision = setting.precision
         step()
         calls[precision] += 1
         if precision == "fp32":
@@ -50,8 +52,8 @@ def _clock(bf16: list[float] | float, fp32: float = 0.01):
     return timer, calls
 
 
-def _never(precision, step):
-    raise AssertionError(f"timed a {precision} step")
+def _never(setting, step):
+    raise AssertionError(f"timed a {setting} step")
 
 
 def _snapshot(run: Run) -> dict:
@@ -71,11 +73,11 @@ def test_bf16_slower_keeps_fp32_and_leaves_no_trace():
     before = _snapshot(run)
     # bf16 at twice fp32's step time, except one fast first window (a noisy moment): the median window decides
     timer, calls = _clock([0.02, 0.001, 0.02, 0.02])  # warm-up, then three windows
-    choice = choose_precision(run, cpu=AVX512_BF16, timer=timer)
+    choice = choose_speed(run, cpu=AVX512_BF16, timer=timer)
     assert choice.precision == "fp32" and choice.timed
     assert calls == {"fp32": 4, "bf16": 4} and choice.steps == timing_steps(2) == 8
     assert choice.images_per_second() == pytest.approx({"fp32": 1600.0, "bf16": 800.0})  # batch 16
-    assert "fp32 1600 and bf16 800 images/s" in choice.reason
+    assert "fp32 1600 and bf16 800 images/s" in choice.reasons["run.precision"]
     # every weight, buffer and RNG stream as before; AdamW holds no state, no gradient is left over
     assert _same(before, _snapshot(run)) and run.precision == before["precision"]
     assert run.optimizer.state_dict()["state"] == {}
@@ -86,27 +88,28 @@ def test_nothing_is_timed_when_there_is_nothing_to_choose_or_no_time_to_pay_for_
     run = _run()
     for precision in ("fp32", "bf16"):  # set by the user
         run.cfg.run.precision = precision
-        choice = choose_precision(run, cpu=AVX512_BF16, timer=_never)
-        assert (choice.precision, choice.reason, choice.timed) == (precision, "set by you", False)
+        choice = choose_speed(run, cpu=AVX512_BF16, timer=_never)
+        assert (choice.precision, choice.reasons["run.precision"], choice.timed) == (precision, "set by you", False)
     run.cfg.run.precision = "auto"
-    choice = choose_precision(run, cpu=AVX2_ONLY, timer=_never)  # bf16 would be emulated
-    assert choice.precision == "fp32" and "no bf16 units" in choice.reason
+    choice = choose_speed(run, cpu=AVX2_ONLY, timer=_never)  # bf16 would be emulated
+    assert choice.precision == "fp32" and "no bf16 units" in choice.reasons["run.precision"]
     for stored in ("fp32", "bf16"):  # a resumed run keeps its checkpoint's precision
-        choice = choose_precision(run, resumed=True, stored=stored, cpu=AVX512_BF16, timer=_never)
-        assert choice.precision == stored and "resumed" in choice.reason
+        choice = choose_speed(run, stored={"precision": stored}, cpu=AVX512_BF16, timer=_never)
+        assert choice.precision == stored and "resumed" in choice.reasons["run.precision"]
     short = _run("optim.total_steps=100")  # 8 timing steps would be 8 % of it: the flag rule
-    choice = choose_precision(short, cpu=AVX512_BF16, timer=_never)
-    assert choice.precision == "bf16" and "not timed: 8 timing steps" in choice.reason and "100" in choice.reason
+    choice = choose_speed(short, cpu=AVX512_BF16, timer=_never)
+    why = choice.reasons["run.precision"]
+    assert choice.precision == "bf16" and "not timed: 8 timing steps" in why and "100" in why
     amx = cpu_info("avx2 avx512f avx512_bf16 amx_tile amx_bf16")
-    assert choose_precision(_run("run.max_steps=10"), cpu=amx, timer=_never).precision == "bf16"
+    assert choose_speed(_run("run.max_steps=10"), cpu=amx, timer=_never).precision == "bf16"
 
 
 def test_a_budget_too_short_for_the_timing_stops_after_the_warm_up():
     run = _run("optim.total_steps=null", "optim.budget_minutes=0.001")  # 0.06 s: 6 timed steps of 0.01 s are too many
     timer, calls = _clock(0.01)
-    choice = choose_precision(run, cpu=AVX512_BF16, timer=timer)
+    choice = choose_speed(run, cpu=AVX512_BF16, timer=timer)
     assert not choice.timed and choice.steps == 2 and calls == {"fp32": 1, "bf16": 1}
-    assert choice.precision == "bf16" and "more than 5 % of the 0.001-minute budget" in choice.reason
+    assert choice.precision == "bf16" and "more than 5 % of the 0.001-minute budget" in choice.reasons["run.precision"]
 
 
 @pytest.mark.parametrize("bf16_seconds, expected", [(0.02, "fp32"), (0.005, "bf16")])
@@ -119,7 +122,7 @@ def test_the_faster_is_kept_and_trains_the_weights_it_would_set_explicitly(bf16_
 
     auto = _run()  # built, timed and trained before the explicit run is built: the global RNG is the process's
     timer, _ = _clock(bf16_seconds)
-    choice = choose_precision(auto, cpu=AVX512_BF16, timer=timer)
+    choice = choose_speed(auto, cpu=AVX512_BF16, timer=timer)
     auto.use_precision(choice.precision)
     assert choice.precision == expected
     assert choice.seconds_per_step == pytest.approx({"fp32": 0.01, "bf16": bf16_seconds})
@@ -131,15 +134,16 @@ def test_config_yaml_records_the_resolved_precision_and_the_measurement(tmp_path
     from training.pretrain import keep_precision, write_run_config
 
     run = _run()
-    choice = PrecisionChoice("auto", "fp32", "the faster of fp32 1600 and bf16 800 images/s, timed",
-                             {"fp32": 0.01, "bf16": 0.02}, global_batch=16, steps=36, seconds=5.0)
+    choice = SpeedChoice(Setting("fp32", "explicit", torch.get_num_threads()), {"run.precision": "auto"},
+                         {"run.precision": "the faster of fp32 1600 and bf16 800 images/s, timed"},
+                         {"fp32": 0.01, "bf16": 0.02}, "fp32", global_batch=16, steps=36, seconds=5.0)
     keep_precision(run, choice, None)
     write_run_config(run.cfg, tmp_path, None, choice)
     assert run.precision == "fp32" and run.autocast is not None
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written["run"]["precision"] == "fp32"
     assert written["plan"]["why"]["run.precision"].startswith("the faster of fp32 1600 and bf16 800 images/s")
-    assert written["plan"]["precision_timing"]["images_per_second"] == {"fp32": 1600.0, "bf16": 800.0}
+    assert written["plan"]["speed_timing"]["images_per_second"] == {"fp32": 1600.0, "bf16": 800.0}
     assert load_config(tmp_path / "config.yaml").run.precision == "fp32"  # the record is skipped when loading
 
 

@@ -30,11 +30,13 @@ from training.model.stem import ConvStem, resolve_conv_stem
 __all__ = [
     "ARCHS",
     "CONV_STEM_ARCHS",
+    "CPU_ATTENTION_KERNELS",
     "VisionTransformer",
     "build_encoder",
     "encoder_kwargs",
     "interpolate_patch_pos_embed",
     "parse_official_arch",
+    "use_cpu_attention",
 ]
 
 # name -> (embed_dim, depth, num_heads); the official deit_{tiny,small,base,large,huge} trunks.
@@ -133,6 +135,9 @@ class PatchEmbed(nn.Module):
         return self.proj(images).flatten(2).transpose(1, 2)  # (B, H/p * W/p, D), row-major
 
 
+CPU_ATTENTION_KERNELS = ("explicit", "sdpa")  # what ``run.cpu_attention`` resolves to (``auto``: timed, or explicit)
+
+
 def _cpu_bf16(x: Tensor) -> bool:
     """True where attention runs in bf16 on a CPU (bf16 tensors, or inside a bf16 CPU autocast)."""
     if x.device.type != "cpu":
@@ -144,11 +149,12 @@ def _cpu_bf16(x: Tensor) -> bool:
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
     """softmax(q kᵀ / √d) v as the official ``deit.py`` writes it, the logits and softmax in fp32.
 
-    Used for bf16 on CPUs, where PyTorch's fused CPU attention kernel is ~2.5x slower forward + backward at MSN's
-    token counts (197 and 37; docs/benchmarks.md, "The same pairing on a CPU"); CUDA and fp32 keep
-    ``F.scaled_dot_product_attention``. The logits stay fp32 as in the fused kernel (bf16 logits were faster still,
-    but moved a step's loss by 0.2 %); only ``probs @ v`` runs in bf16. ``attn_mask``: bool, True where a key may be
-    attended to.
+    The default for bf16 on CPUs (``Attention.cpu_bf16_kernel``), where PyTorch's fused CPU attention kernel was
+    ~2.5x slower forward + backward at MSN's token counts (197 and 37) on a Zen 4 (docs/benchmarks.md, "The same
+    pairing on a CPU"); on an AMX Xeon the fused kernel may win, so ``run.cpu_attention: auto`` times both
+    (``training/run/speed_timing.py``). CUDA and fp32 keep ``F.scaled_dot_product_attention``. The logits stay
+    fp32 as in the fused kernel (bf16 logits were faster still, but moved a step's loss by 0.2 %); only
+    ``probs @ v`` runs in bf16. ``attn_mask``: bool, True where a key may be attended to.
     """
     with torch.autocast(q.device.type, enabled=False):  # fp32 logits (autocast would recast the matmul to bf16)
         scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
@@ -158,8 +164,23 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None
     return probs.to(v.dtype) @ v
 
 
+def use_cpu_attention(modules: nn.Module | Sequence[nn.Module], kernel: str) -> None:
+    """Run bf16 attention on CPUs in every :class:`Attention` under ``modules`` with ``kernel`` (explicit | sdpa).
+
+    Per model rather than per process, so a run's choice never leaks into another model in the same process (an
+    evaluation encoder, a test); the ONNX export builds its own fp32 model, where the setting does not apply."""
+    if kernel not in CPU_ATTENTION_KERNELS:
+        raise ValueError(f"CPU attention kernel {kernel!r}: expected one of {', '.join(CPU_ATTENTION_KERNELS)}")
+    for root in [modules] if isinstance(modules, nn.Module) else modules:
+        for module in root.modules():
+            if isinstance(module, Attention):
+                module.cpu_bf16_kernel = kernel
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (official key layout: q, k, v stacked)."""
+
+    cpu_bf16_kernel: str = "explicit"  # bf16 on a CPU: explicit_attention or sdpa (use_cpu_attention)
 
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -173,7 +194,7 @@ class Attention(nn.Module):
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, dim // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, N, head_dim)
-        if _cpu_bf16(q):
+        if self.cpu_bf16_kernel == "explicit" and _cpu_bf16(q):
             x = explicit_attention(q, k, v, attn_mask)
         else:
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)

@@ -20,6 +20,7 @@ from training.config import Config
 from training.data import ResumableDistributedSampler, build_dataset, build_loader, normalization_stats
 from training.model.losses import MSNLoss
 from training.model.msn import MSNOnline, ProjectedEncoder, build_networks, parameter_groups
+from training.model.vit import use_cpu_attention
 from training.run.precision import autocast_factory, resolve_precision
 from training.views import MultiViewAugment
 
@@ -97,6 +98,11 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
         target = nn.SyncBatchNorm.convert_sync_batchnorm(target)
     online.to(device)
     target.to(device)
+    if device.type == "cpu":  # explicit speed settings (auto: training/run/precision_timing.py decides later)
+        if cfg.run.cpu_attention != "auto":
+            use_cpu_attention((online, target), cfg.run.cpu_attention)
+        if cfg.run.cpu_threads:
+            torch.set_num_threads(cfg.run.cpu_threads)
     loss = cfg.loss
     criterion = MSNLoss(
         temperature=loss.temperature, sharpen_temperature=loss.sharpen_start, me_max_weight=loss.me_max_weight,

@@ -42,6 +42,7 @@ class Checkpoints:
     saved_step: int = -1
     resume_step: int = field(default=-1, init=False)  # the step rank 0 read; every rank must load that same step
     stored_precision: str | None = field(default=None, init=False)  # what the resumed checkpoint trained in
+    stored_run: dict[str, Any] | None = field(default=None, init=False)  # its run config (attention kernel, threads)
     stored_length: StoredLength | None = field(default=None, init=False)  # the resumed run's length, if stored
     _stored: dict[str, Any] | None = field(default=None, init=False, repr=False)  # rank 0's copy: read once
 
@@ -90,6 +91,7 @@ class Checkpoints:
                      f"{self.resume_step}: every rank must see the same output directory")
         self.state.load_state_dict(stored)
         self.stored_precision = stored.get("precision")
+        self.stored_run = dict(stored.get("config", {}).get("run", {}))
         self.stored_length = StoredLength.read(stored)
         run = self.run
         progress = restore_progress(stored, steps_per_epoch=run.steps_per_epoch, info=run.info,

@@ -43,7 +43,8 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
    end with the run (``horizon_scale`` 1); EMA from ``1 - 1/t`` with t about 2 % of the steps (100-250 steps:
    0.99 to the paper's 0.996).
 7. **Loader workers**: 0 for in-memory data; else from the cores per process. **Precision**: ``auto`` (on a CPU
-   with bf16 units the run times fp32 against bf16 on its first steps; the printed block shows what it measured).
+   with bf16 units the run times fp32 against bf16 on its first steps; the printed block shows what it measured),
+   and on a CPU ``run.cpu_attention`` and ``run.cpu_threads`` ``auto``/0, timed in the same pass.
 """
 
 from __future__ import annotations
@@ -328,6 +329,11 @@ class _Candidate:
         ch("run.precision", "auto", "fp32 or bf16, whichever this run's first steps run faster (bf16 units on this "
            "CPU; training/run/precision_timing.py)" if machine.device_type == "cpu" and machine.bf16 else
            f"{machine.precision} on this machine (training/run/precision.py)")
+        if machine.device_type == "cpu":  # the plan block shows what the timing chose (training/pretrain.py)
+            ch("run.cpu_attention", "auto", "bf16 attention: explicit or SDPA, timed with the precision "
+               "(training/run/speed_timing.py)")
+            ch("run.cpu_threads", 0, "torch's threads: its default, timed against one fewer when loader workers "
+               "share the cores")
 
 
 def _low_detail_views(plan: Plan, survey: DataSurvey) -> None:
