@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from msn_core.durable import atomic_write
 from msn_core.features import FeatureError, parse_feature
 from msn_core.sources import FILE_SOURCES, SOURCES
 
@@ -159,6 +160,12 @@ class RunConfig:
     probe_images: int = 3000
     eval_data: str | None = None
     stop_on_collapse: bool = False
+    # the view probe (training/run/view_probe.py): a label-free signal of learning on this many training images,
+    # about every 1 % of the run; the stall detector reads it (0: off, the loss alone decides)
+    view_probe_images: int = 128
+    # a confirmed stall (training/run/stall.py) is always reported; adapt: the run switches itself once to the advice
+    # it names, from that step (training/run/adapt.py; --on-stall adapt)
+    on_stall: str = "warn"
     # warm start: trained weights to begin from (official .pth.tar, checkpoint.pt, bundle, HF ViTMSN folder;
     # training/bundle/warm_start.py); fresh optimiser and schedules. --resume of an existing checkpoint wins.
     init_from: str | None = None
@@ -295,6 +302,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.feature: {err}") from None
     if cfg.run.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"run.precision={cfg.run.precision!r}: expected auto, fp32 or bf16")
+    if cfg.run.view_probe_images < 0:
+        raise ConfigError(f"run.view_probe_images={cfg.run.view_probe_images} must be >= 0 (0 turns it off)")
+    if cfg.run.on_stall not in ("warn", "adapt"):
+        raise ConfigError(f"run.on_stall={cfg.run.on_stall!r}: expected warn or adapt")
     if cfg.run.cpu_attention not in ("auto", "explicit", "sdpa"):
         raise ConfigError(f"run.cpu_attention={cfg.run.cpu_attention!r}: expected auto, explicit or sdpa")
     if cfg.run.cpu_threads < 0:
@@ -403,7 +414,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
 
 def dump_config(cfg: Config, path: str | Path, plan: dict[str, Any] | None = None) -> None:
     """Write the resolved config; ``plan`` (training/run/plan.py) adds a ``plan`` section that loading ignores."""
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-        if plan is not None:
-            yaml.safe_dump({"plan": plan}, f, sort_keys=False, width=120)
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if plan is not None:
+        text += yaml.safe_dump({"plan": plan}, sort_keys=False, width=120)
+    atomic_write(path, text.encode())  # rewritten when a run adapts: never half a file

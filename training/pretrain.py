@@ -45,7 +45,8 @@ from training.config import (
     read_raw_config,
     set_key,
 )
-from training.run.build import Run, build_run
+from training.run.adapt import OnStall, apply_to_config
+from training.run.build import Run, build_augment, build_run
 from training.run.checkpoints import Checkpoints
 from training.run.collapse import CollapseDetector, RunGeometry
 from training.run.length import RunLength, RunSchedule, schedule_run
@@ -53,7 +54,7 @@ from training.run.monitor import TrainingMonitor
 from training.run.plan import Plan, parse_budget, plan_config, set_length
 from training.run.precision_timing import SpeedChoice, choose_speed, use_setting
 from training.run.probe import build_probe
-from training.run.stall import StallDetector, StallSettings
+from training.run.stall import Adaptation, StallDetector, StallSettings
 from training.run.state import Progress, TrainState, batches_from
 from training.run.step import StepOutput, train_step
 from training.run.view_probe import build_view_probe
@@ -80,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "images when they have labels")
     parser.add_argument("--init-from", metavar="PATH", help="warm start (run.init_from): official .pth.tar, "
                         "checkpoint.pt, bundle or HF ViTMSN folder; --resume of an existing checkpoint wins")
+    parser.add_argument("--on-stall", choices=("warn", "adapt"), help="run.on_stall: when the run stalls, warn "
+                        "(default) or also switch once to the advised views or learning rate (training/run/adapt.py)")
     return parser.parse_args(argv)
 
 
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         resumed = checkpoints.should_resume(asked=args.resume)  # --resume, or torchrun restarting this launch
         if resumed:
             progress = checkpoints.resume()
+            if checkpoints.stored_adaptation is not None:  # the run had switched itself (--on-stall adapt)
+                apply_to_config(cfg, checkpoints.stored_adaptation.sets)
+                run.augment = build_augment(cfg, run.mean, run.std, run.device)
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
         # precision, bf16 CPU attention, CPU threads: auto times the candidates on this run's steps, undone
         # (run/precision_timing.py); a resumed run keeps its checkpoint's
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         choice = choose_speed(run, stored=stored)
         keep_precision(run, choice, plan)
         if info.rank == 0:  # nothing changes the config after the precision: it is written now, once
-            write_run_config(run.cfg, args.output_dir, plan, choice)
+            write_run_config(run.cfg, args.output_dir, plan, choice, checkpoints.stored_adaptation)
         probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
         # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
         # resizes both from its measured rate (training/run/budget.py; a timed precision's rate seeds the first
@@ -141,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
                                                                start_step=progress.step),
                                   view_probe=view_probe)
         monitor.write(describe(run, length))
-        last = train_loop(run, schedule, progress, monitor, checkpoints)
+        on_stall = OnStall(run, schedule, checkpoints,
+                           rewrite_config=lambda adapted: write_run_config(run.cfg, args.output_dir, plan, choice,
+                                                                           adapted))
+        last = train_loop(run, schedule, progress, monitor, checkpoints, on_stall)
         # 6. save: the last step's checkpoint, unless the loop just wrote it
         if last is not None and checkpoints.saved_step != progress.step:
             checkpoints.save(progress, last)
@@ -175,6 +184,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Plan | None]:
         set_key(raw, "run.eval_data", args.eval_data)
     if args.init_from is not None:
         set_key(raw, "run.init_from", os.path.abspath(args.init_from))  # config.yaml: cwd-independent
+    if args.on_stall is not None:
+        set_key(raw, "run.on_stall", args.on_stall)
     set_length(raw, budget_minutes=args.budget, epochs=args.epochs)
     plan = None  # --data without a recipe: plan one from the data and the machine (training/run/plan.py)
     if args.data is not None and args.config is None:
@@ -186,7 +197,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Plan | None]:
 
 
 def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: TrainingMonitor,
-               checkpoints: Checkpoints) -> StepOutput | None:
+               checkpoints: Checkpoints, on_stall: OnStall | None = None) -> StepOutput | None:
     """Optimiser steps from ``progress`` to ``schedule.length.stop_at`` (which a budget run resizes as it goes), with
     logs and periodic and epoch checkpoints.
 
@@ -209,6 +220,8 @@ def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: Tra
                         final=progress.step == schedule.length.stop_at)
             if monitor.should_stop():  # run.stop_on_collapse and a collapse confirmed: every rank stops here
                 break
+            if on_stall is not None:  # --on-stall adapt: once, every rank switches, checkpoints and says so
+                on_stall.after_log(progress, last, monitor.stall)
         if progress.step % cfg.run.checkpoint_every_steps == 0 or epoch_ended:
             checkpoints.save(progress, last)
             keep_every = cfg.run.keep_epoch_checkpoints
@@ -238,14 +251,18 @@ def keep_precision(run: Run, choice: SpeedChoice, plan: Plan | None) -> None:
             log.info("%s %s: %s", key, value, choice.reasons[key])
 
 
-def write_run_config(cfg: Config, output_dir: Path, plan: Plan | None, choice: SpeedChoice) -> None:
+def write_run_config(cfg: Config, output_dir: Path, plan: Plan | None, choice: SpeedChoice,
+                     adapted: Adaptation | None = None) -> None:
     """Write the run's ``config.yaml``: the one writer, called by rank 0 once the config is settled (after resuming
     and the speed choice, the last step that changes it). Beside the resolved config, a ``plan`` section that
     loading skips says why: a planned run's plan, or for a run from a recipe the speed settings' reasons, with the
-    timing's measurement (``speed_timing``) when they were timed."""
+    timing's measurement (``speed_timing``) when they were timed. A run that switched itself on a stall
+    (``--on-stall adapt``) writes it again then, with the switch as ``adapted``."""
     record = plan.record() if plan is not None else {"why": dict(choice.reasons)}
     if choice.timed:
         record["speed_timing"] = choice.record()
+    if adapted is not None:
+        record["adapted"] = adapted.record()
     dump_config(cfg, output_dir / "config.yaml", plan=record)
 
 

@@ -17,7 +17,7 @@ from benchmarks.protocol import (
     ratio_run,
     tsne_name,
 )
-from benchmarks.render import decoder, own_images
+from benchmarks.render import decoder, own_images, stall
 from benchmarks.render.budget import render_budget
 from benchmarks.render.evals import accuracy_cell, lowshot_rows, mean_accuracy
 from benchmarks.render.features import render_feature_choice
@@ -166,7 +166,8 @@ def render(docs: Path) -> str:
     # The shipped recipe's tables come first: they are what a researcher reads first.
     parts += [render_profile(p) for p in profiles if p.get("budgeted")]
     for own in (own_images.section(results), own_images.other_folders_section(results),
-                own_images.glyph_folders_section(results), own_images.warm_start_section(results)):
+                own_images.glyph_folders_section(results), own_images.warm_start_section(results),
+                stall.section(results)):
         if own:
             parts.append(own)
     parts += [render_profile(p) for p in profiles if not p.get("budgeted")]

@@ -82,15 +82,7 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
         raise SystemExit(f"pretrain: {len(dataset)} images are fewer than one global batch")
     default_mean, default_std = normalization_stats(cfg.data.source)
     mean, std = list(cfg.data.mean or default_mean), list(cfg.data.std or default_std)
-    aug, mask = cfg.augment, cfg.mask
-    augment = MultiViewAugment(
-        rand_size=cfg.model.image_size, focal_size=mask.focal_size, num_focal=mask.num_focal,
-        rand_crop_scale=tuple(mask.rand_crop_scale), focal_crop_scale=tuple(mask.focal_crop_scale),
-        color_jitter_strength=aug.color_jitter_strength, color_jitter_p=aug.color_jitter_p,
-        grayscale_p=aug.grayscale_p, blur_p=aug.blur_p, blur_sigma=tuple(aug.blur_sigma), flip_p=aug.flip_p,
-        solarize_p=aug.solarize_p, levels_p=aug.levels_p, affine=(aug.affine_p, aug.affine_degrees, aug.affine_shear),
-        stroke_p=aug.stroke_p, mean=tuple(mean), std=tuple(std),
-    ).to(device)
+    augment = build_augment(cfg, mean, std, device)
 
     online, target = build_networks(cfg.model)
     if info.world_size > 1 and device.type == "cuda":  # SyncBatchNorm has no CPU kernel
@@ -121,6 +113,20 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
     precision = resolve_precision(cfg.run.precision, device)
     return Run(cfg, info, loader, sampler, len(loader), len(dataset), augment, online, target, model, criterion, optimizer,
                mask_generator, precision, autocast_factory(precision, device), mean, std)
+
+
+def build_augment(cfg: Config, mean: list[float], std: list[float], device: torch.device) -> MultiViewAugment:
+    """The run's views (``cfg.mask`` crops, ``cfg.augment`` jitter), built on ``device``; ``--on-stall adapt``
+    rebuilds them (``training/run/adapt.py``)."""
+    aug, mask = cfg.augment, cfg.mask
+    return MultiViewAugment(
+        rand_size=cfg.model.image_size, focal_size=mask.focal_size, num_focal=mask.num_focal,
+        rand_crop_scale=tuple(mask.rand_crop_scale), focal_crop_scale=tuple(mask.focal_crop_scale),
+        color_jitter_strength=aug.color_jitter_strength, color_jitter_p=aug.color_jitter_p,
+        grayscale_p=aug.grayscale_p, blur_p=aug.blur_p, blur_sigma=tuple(aug.blur_sigma), flip_p=aug.flip_p,
+        solarize_p=aug.solarize_p, levels_p=aug.levels_p, affine=(aug.affine_p, aug.affine_degrees, aug.affine_shear),
+        stroke_p=aug.stroke_p, mean=tuple(mean), std=tuple(std),
+    ).to(device)
 
 
 def preprocessing(cfg: Config, mean: list[float], std: list[float]) -> dict:

@@ -19,6 +19,7 @@ from training.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, copy_chec
 from training.model.vit import encoder_kwargs
 from training.run.build import Run, preprocessing
 from training.run.length import StoredLength
+from training.run.stall import Adaptation
 from training.run.state import Progress, TrainState, restore_progress, save_progress
 from training.run.step import StepOutput
 
@@ -44,6 +45,10 @@ class Checkpoints:
     stored_precision: str | None = field(default=None, init=False)  # what the resumed checkpoint trained in
     stored_run: dict[str, Any] | None = field(default=None, init=False)  # its run config (attention kernel, threads)
     stored_length: StoredLength | None = field(default=None, init=False)  # the resumed run's length, if stored
+    # a switch made on a stall (--on-stall adapt, training/run/adapt.py): stored in every later checkpoint, and the
+    # one a resumed checkpoint holds
+    adaptation: Adaptation | None = field(default=None, init=False)
+    stored_adaptation: Adaptation | None = field(default=None, init=False)
     _stored: dict[str, Any] | None = field(default=None, init=False, repr=False)  # rank 0's copy: read once
 
     @property
@@ -93,6 +98,7 @@ class Checkpoints:
         self.stored_precision = stored.get("precision")
         self.stored_run = dict(stored.get("config", {}).get("run", {}))
         self.stored_length = StoredLength.read(stored)
+        self.adaptation = self.stored_adaptation = Adaptation.from_record(stored.get("adapted"))
         run = self.run
         progress = restore_progress(stored, steps_per_epoch=run.steps_per_epoch, info=run.info,
                                     mask_generator=run.mask_generator, seed=run.cfg.run.seed)
@@ -105,7 +111,8 @@ class Checkpoints:
     def save(self, progress: Progress, last: StepOutput) -> None:
         check_finite(last, progress.step)
         run = self.run
-        payload = {**self.state.state_dict(), **checkpoint_metadata(run), "launch": self.launch}
+        payload = {**self.state.state_dict(), **checkpoint_metadata(run), "launch": self.launch,
+                   "adapted": self.adaptation.record() if self.adaptation is not None else None}
         save_progress(self.path, payload, progress, steps_per_epoch=run.steps_per_epoch, info=run.info,
                       mask_generator=run.mask_generator, fmt=CHECKPOINT_FORMAT, version=CHECKPOINT_VERSION)
         self.saved_step = progress.step

@@ -11,7 +11,7 @@ add to the same record, so a reader of ``metrics.jsonl`` sees one line per logge
   every rank agrees to stop there (``should_stop``: one tiny collective per logged step, only with that setting);
 - the view probe (``training/run/view_probe.py``), with or without labels: ``view_top1``, ``view_margin`` (and
   their ``_cls`` forms), ``feature_rank``, the same at the run's start (``_start``) and ``view_seconds``, about
-  every 2 % of the run;
+  every 1 % of the run;
 - the stall detector (``training/run/stall.py``), with or without labels: ``stall`` and ``stall_message`` on the
   step a stall is confirmed, logged once as a warning. A stall never stops the run: it may still be worth finishing.
 """

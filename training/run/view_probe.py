@@ -6,8 +6,8 @@ drifts below any fixed threshold without learning (docs/results-notes.md, "A lab
 MSN asks of its target encoder is that two views of one image land together, apart from other images. So the
 probe asks exactly that of the target encoder, against its own start:
 
-- ``VIEW_IMAGES`` images are drawn (seeded) from the training set and decoded once, on rank 0, when the run is
-  built; each gets two views made once with the run's own view pipeline (random crops, flips, jitter: the target
+- ``run.view_probe_images`` images (128) are drawn (seeded) from the training set and decoded once, on rank 0,
+  when the run is built; each gets two views made once with the run's own view pipeline (random crops, flips, jitter: the target
   views' recipe), in a private RNG stream, so the probe draws nothing from the run's streams (a resumed run stays
   bit-exact);
 - a probe encodes both views with the target encoder (inference mode) and scores, for the paper's CLS token and
@@ -24,9 +24,9 @@ images, which is what tells learning from not learning; holding images out would
 from training, and a stall detector need not measure generalisation (the kNN probe, ``probe.py``, does when
 labels exist).
 
-Cost: two forward passes over ``VIEW_IMAGES`` images, about every 2 % of the planned steps, postponed while the
+Cost: two forward passes over those images, about every 1 % of the planned steps, postponed while the
 probes so far took more than ``MAX_TIME_FRACTION`` of the training time (the demo's ViT-tiny on 2 cores: ~0.08 s
-a probe, under 2 % of its run).
+a probe, about 1 % of its run).
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from training.views import MultiViewAugment
 
 __all__ = ["ViewProbe", "ViewSignals", "build_view_probe", "view_signals"]
 
-VIEW_IMAGES = 128  # images probed (fewer when the folder is smaller)
-EVERY_FRACTION = 0.02  # a probe about every this share of the planned steps ...
+EVERY_FRACTION = 0.01  # a probe about every this share of the planned steps ...
 MIN_EVERY_STEPS = 10  # ... at least this many steps apart
 MAX_TIME_FRACTION = 0.05  # probes may take at most this share of the training time between them
 BATCH_SIZE = 256
@@ -180,11 +179,12 @@ def probe_views(augment: MultiViewAugment, images: Tensor, device: torch.device)
 
 
 def build_view_probe(run: Run, total_steps: int) -> ViewProbe | None:
-    """The run's view probe (rank 0 only), or None for a dataset of fewer than 8 images. Draws its own images."""
+    """The run's view probe (rank 0 only), or None when ``run.view_probe_images`` is 0 or the dataset has fewer than
+    8 images. Draws its own images."""
     dataset = run.loader.dataset
-    if len(dataset) < 8:
+    if run.cfg.run.view_probe_images <= 0 or len(dataset) < 8:
         return None
-    count = min(VIEW_IMAGES, len(dataset))
+    count = min(run.cfg.run.view_probe_images, len(dataset))
     indices = np.sort(np.random.default_rng([run.cfg.run.seed, 11]).permutation(len(dataset))[:count])
     images, _ = _decode(dataset, indices, min(run.cfg.data.num_workers, 8))
     first, second = probe_views(_without_focal(run.augment), images, run.device)
