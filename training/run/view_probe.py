@@ -25,8 +25,8 @@ from training, and a stall detector need not measure generalisation (the kNN pro
 labels exist).
 
 Cost: two forward passes over those images, about every 1 % of the planned steps, postponed while the
-probes so far took more than ``MAX_TIME_FRACTION`` of the training time (the demo's ViT-tiny on 2 cores: ~0.08 s
-a probe, about 1 % of its run).
+probes so far took more than ``MAX_TIME_FRACTION`` of the training time (the demo's 10-minute run on 2 cores: 88 probes,
+4.8 s, under 1 % of it).
 """
 
 from __future__ import annotations
