@@ -5,12 +5,12 @@ so no collapse condition holds, yet it learns almost nothing and looks healthy o
 
 **With the view probe** (``training/run/view_probe.py``, on by default): the run is learning while the target
 encoder tells two views of an image from other images better than it did at the start, that is while the view
-margin of its CLS token or of its served feature has risen at least ``MIN_VIEW_GAIN`` above the run's start; a stall is ``VIEW_PATIENCE``
-probes in a row, from ``CHECK_FRACTION`` of the planned steps on, that say it has not. Calibrated on six runs
-(``benchmarks/training/stall_cases.py``, docs/results-notes.md "A label-free signal of learning"): planted
-learning rates 100x too small moved the margin by at most 0.01 of its start, views too hard for 28-px digits
-lowered it (-0.05 to -0.2) for their first 15 % of steps, while every healthy run had gained more than 0.1 by its
-100th step. The loss alone could not say it: a planted stall on a 2,000-image folder drifted 3-6 % below log K
+margin of its CLS token or of its served feature has risen at least ``MIN_VIEW_GAIN`` above the run's start; a
+stall is ``VIEW_PATIENCE`` probes in a row, from ``CHECK_FRACTION`` of the planned steps on, that say it has not.
+Calibrated on six runs (``benchmarks/training/stall_cases.py``, docs/results-notes.md "A label-free signal of
+learning"): planted learning rates 100x too small moved the margins by at most 0.03 from their start, views too
+hard for 28-px digits lowered them for their first 15 % of steps, and every healthy run's better margin had gained
+more than 0.1 by its 100th-300th step. The loss alone could not say it: a planted stall on a 2,000-image folder drifted 3-6 % below log K
 over its many epochs, past any fixed threshold, and the rendered glyphs plateau 7 % below it whatever their views.
 
 **Without it** (``run.view_probe_images=0``) two signals every logged record carries
@@ -63,7 +63,8 @@ PATIENCE = 2  # consecutive checks that must agree
 MIN_SPAN_STEPS = 10  # ... spanning at least this many steps
 LOW_LR = 4.0  # the learning rate is "far below the rule" under rule / LOW_LR
 # with the view probe: learning while the view margin (training/run/view_probe.py; CLS or served feature, the larger
-# gain) has risen at least this far above the run's start; stalled after VIEW_PATIENCE probes in a row from the first check on that say not
+# gain) has risen at least this far above the run's start; stalled after VIEW_PATIENCE probes in a row, from the
+# first check on, that say not
 MIN_VIEW_GAIN = 0.05
 VIEW_PATIENCE = 2
 
@@ -84,7 +85,8 @@ class Stall:
 
 @dataclass(frozen=True)
 class Adaptation:
-    """A stall's advice taken (``--on-stall adapt``, ``training/run/adapt.py``): the switch a run made: at ``step``, for ``cause``, the config keys ``sets`` (dotted key -> value)."""
+    """A stall's advice taken (``--on-stall adapt``, ``training/run/adapt.py``): the switch a run made at ``step``
+    for ``cause``, the config keys ``sets`` (dotted key -> value)."""
 
     step: int
     cause: str
@@ -270,7 +272,8 @@ class StallDetector:
     def message(self, cause: str, step: int, s: dict[str, float], why: str, sets: dict[str, Any]) -> str:
         fix = "--set " + " ".join(f"{key}={_typed(value)}" for key, value in sets.items())
         if cause == "targets":
-            fix += f" (sharper targets); if the loss still stays near log K, a larger optim.lr (now {self.settings.lr:g})"
+            fix += (f" (sharper targets); if the loss still stays near log K, a larger optim.lr (now "
+                    f"{self.settings.lr:g})")
         return f"step {step}: training has stalled: {self.what(s)}. Likely cause: {why}. To try: {fix}."
 
 

@@ -7,9 +7,9 @@ MSN asks of its target encoder is that two views of one image land together, apa
 probe asks exactly that of the target encoder, against its own start:
 
 - ``run.view_probe_images`` images (128) are drawn (seeded) from the training set and decoded once, on rank 0,
-  when the run is built; each gets two views made once with the run's own view pipeline (random crops, flips, jitter: the target
-  views' recipe), in a private RNG stream, so the probe draws nothing from the run's streams (a resumed run stays
-  bit-exact);
+  when the run is built; each gets two views made once with the run's own view pipeline (random crops, flips,
+  jitter: the target views' recipe), in a private RNG stream, so the probe draws nothing from the run's streams
+  (a resumed run stays bit-exact);
 - a probe encodes both views with the target encoder (inference mode) and scores, for the paper's CLS token and
   for the served feature: **view top-1**, how often a view's nearest neighbour (cosine) among the other images'
   second views is its own second view (%), and **view margin**, how far the two views' cosine stands above the
