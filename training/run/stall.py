@@ -10,8 +10,9 @@ stall is ``VIEW_PATIENCE`` probes in a row, from ``CHECK_FRACTION`` of the plann
 Calibrated on six runs (``benchmarks/training/stall_cases.py``, docs/results-notes.md "A label-free signal of
 learning"): planted learning rates 100x too small moved the margins by at most 0.03 from their start, views too
 hard for 28-px digits lowered them for their first 15 % of steps, and every healthy run's better margin had gained
-more than 0.1 by its 100th-300th step. The loss alone could not say it: a planted stall on a 2,000-image folder drifted 3-6 % below log K
-over its many epochs, past any fixed threshold, and the rendered glyphs plateau 7 % below it whatever their views.
+more than 0.1 by its 100th-300th step. The loss alone could not say it: a planted stall on a 2,000-image folder
+drifted 3-6 % below log K over its many epochs, past any fixed threshold, and the rendered glyphs plateau 7 % below
+it whatever their views.
 
 **Without it** (``run.view_probe_images=0``) two signals every logged record carries
 (``training/model/losses.py`` ``LossTerms.summary``) decide, as before the probe:
