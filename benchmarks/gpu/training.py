@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             if kernel in measured:
                 continue
             measured.add(kernel)
-            key = f"{precision} {kernel}" if a.device == "cpu" and precision == "bf16" else precision
-            extra = [f"run.cpu_attention={kernel}"] if key != precision else []
+            several = a.device == "cpu" and precision == "bf16" and len(kernels) > 1  # one row per kernel
+            key = f"{precision} {kernel}" if several else precision
+            extra = [f"run.cpu_attention={kernel}"] if a.device == "cpu" and precision == "bf16" else []
             row, parts = ours(overrides, precision, timed, warmup, profile_dir, a.quick,
                               precision == a.precisions[0] and len(measured) == 1, extra)
             row.update(key=key, cpu_attention=label)

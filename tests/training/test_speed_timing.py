@@ -7,7 +7,10 @@ the timing's schedule shortened (one warm-up step, three windows of one step per
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from training.run.step import start_hyperparameters, train_step
 from .test_plan import CPU as CPU_MACHINE
 from .test_precision import AVX512_BF16, TINY
 
+REPO = Path(__file__).resolve().parents[2]
 LONG = [*TINY, "optim.total_steps=10000"]  # long enough to pay for the timing
 BF16 = [*LONG, "run.precision=bf16"]
 
@@ -139,6 +143,21 @@ def test_threads_are_timed_when_loader_workers_share_the_cores_and_give_way_firs
      ("sdpa", 1), ["data.num_workers=1", "run.cpu_attention=sdpa", "run.cpu_threads=1"]),
 ])
 def test_the_run_after_timing_trains_the_weights_the_explicit_setting_trains(overrides, clock, chosen, explicit):
+    """In a fresh interpreter, as a run is: the low-shot tests' cyanure, loaded earlier in the same pytest worker,
+    leaves the process so that two bf16 runs with 2 threads differ in their last bits (seen with
+    tests/evaluation/test_lowshot.py run first; one thread is unaffected)."""
+    check = (f"from tests.training import test_speed_timing as t; t.after_timing_equals_explicit({overrides!r}, "
+             f"{clock!r}, {chosen!r}, {explicit!r})")
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def after_timing_equals_explicit(overrides: list[str], clock: dict, chosen: tuple, explicit: list[str]) -> None:
+    """The run timed by ``auto`` (then set to its choice) and a run built with that choice set explicitly train
+    bit-identical weights and leave the same random streams."""
+    precision_timing.WARMUP_STEPS, precision_timing.WINDOWS, precision_timing.WINDOW_STEPS = 1, 3, 1  # as the fixture
+
     def trained(run: Run) -> dict:
         batches, hyper = iter(run.loader), start_hyperparameters(run.cfg)
         for _ in range(3):
