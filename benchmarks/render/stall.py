@@ -46,7 +46,7 @@ def section(results: Path) -> str:
                      served, served_knn, pixels, pixels_knn])
     lines = ["## Does a run say when it learns nothing: the stall warning on six runs", "",
              ("`python -m benchmarks.training.stall_cases` (" + describe_machine(data["machine"]) + "): the six "
-              f"cases sized in optimiser steps ({data['precision']}, nothing timed), then the issue's targets as a "
+              f"cases sized in optimiser steps ({data['precision']}, nothing timed), then the targets as a "
               "user runs them (`--budget`, `run.precision` auto, the machine to itself; `-2m`/`-10m`): healthy and "
               "failed runs, the view "
               "probe's CLS view margin (how far two views of an image stand above other images, in standard "

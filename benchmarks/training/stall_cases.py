@@ -5,7 +5,7 @@
     python -m benchmarks.training.stall_cases --dry-run          # print the commands, run nothing
     python -m benchmarks.training.stall_cases --collect-only     # the table from the runs on disk
 
-The cases (issue 50), each a real ``training/pretrain.py`` run:
+The cases, each a real ``training/pretrain.py`` run:
 
 - ``planted-small``: 2,000 Fashion-MNIST training images as a flat folder, planned (``--data``), with the
   learning rate 100x below the rule (``optim.lr=2.5e-6 optim.start_lr=2e-6``);
@@ -19,7 +19,8 @@ The cases (issue 50), each a real ``training/pretrain.py`` run:
 
 Runs are sized in optimiser steps (``optim.total_steps``; ``run.max_steps`` to stop early) with ``run.precision=bf16``
 where the CPU has bf16 units (else fp32), so what is learned does not depend on a shared machine's speed; the
-steps are about what a 10-minute budget (2 for ``planted-small``) runs on a 2-core Zen 4/5. Each finished run is
+steps are about what a 10-minute budget (2 for ``planted-small``) ran on a 2-core Zen 4 (a Zen 5 runs ~9,500 in 10
+minutes: the ``-10m`` cases). Each finished run is
 exported and scored (``msn-eval lowshot --shots 1 2 5 --splits 3``, ``msn-eval knn``), with raw pixels. The table
 (stdout and ``benchmarks/results/stall_cases.json``): per case the view signals at the start, at 10 % and at the
 end, the loss, whether and when the stall detector warned and what it named (``warned_as_run``: the code that ran
@@ -82,7 +83,7 @@ CASES = (
     Case("glyphs", "glyphs", 5_000, healthy=None),
     Case("demo", "demo", 5_000),
 )
-# The issue's targets as a user runs them: wall-clock budgets, run.precision auto, the machine to itself. ``steps``
+# The stall warning's targets as a user runs them: wall-clock budgets, run.precision auto, the machine to itself. ``steps``
 # only sizes the stall check's 10 % (the planned length is read back from the run).
 TIMED = (
     Case("planted-small-2m", "fmnist2000", 0, PLANT, healthy=False, budget="2m"),

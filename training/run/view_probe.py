@@ -31,7 +31,6 @@ probes so far took more than ``MAX_TIME_FRACTION`` of the training time (the dem
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -187,16 +186,8 @@ def build_view_probe(run: Run, total_steps: int) -> ViewProbe | None:
     count = min(run.cfg.run.view_probe_images, len(dataset))
     indices = np.sort(np.random.default_rng([run.cfg.run.seed, 11]).permutation(len(dataset))[:count])
     images, _ = _decode(dataset, indices, min(run.cfg.data.num_workers, 8))
-    first, second = probe_views(_without_focal(run.augment), images, run.device)
+    first, second = probe_views(run.augment, images, run.device)  # focal views made once and dropped
     every = max(MIN_EVERY_STEPS, round(EVERY_FRACTION * total_steps))
     return ViewProbe(first, second, run.target.encoder, feature=run.cfg.model.feature, device=run.device,
                      autocast=run.autocast, every_steps=every)
 
-
-def _without_focal(augment: MultiViewAugment) -> MultiViewAugment:
-    """The same recipe with no focal views (the probe uses the two full-size views only)."""
-    if augment.num_focal == 0:
-        return augment
-    light = copy.copy(augment)
-    light.num_focal = 0
-    return light
