@@ -47,7 +47,8 @@ $(KUBECTL):
 	$(SUDO) apt-get install -y -qq kubernetes-client
 
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
-# accuracy beside the raw-pixel baseline, start the service, then train a small RCDM decoder on the bundle for at most
+# accuracy beside the same network untrained (msn-eval --untrained) and the raw-pixel baseline, start the service,
+# then train a small RCDM decoder on the bundle for at most
 # DEMO_DECODER_MINUTES (resumed: a second `make demo` trains it further, up to DEMO_DECODER_STEPS) in the background
 # while the visualizer app is up.
 demo: setup data
@@ -57,11 +58,21 @@ demo: setup data
 	@echo "== MSN, the feature the service serves (msn.json's feature: the target encoder's CLS + patch-token map):"
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress
+	@echo "== The same network untrained (random init, seed 0; same architecture, preprocessing and served feature):"
+	@echo "   what MSN's training added is the difference from the rows above"
+	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress \
+		--untrained 0
+	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress --untrained 0
 	@echo "== MSN, the paper's protocol (last block's CLS before the final norm):"
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
 		--shots 1 2 5 --splits 3 --no-progress
 	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
 		--no-progress
+	@echo "== The same network untrained, the paper's CLS (random init, seed 0): the difference is MSN's training"
+	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
+		--shots 1 2 5 --splits 3 --no-progress --untrained 0
+	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
+		--no-progress --untrained 0
 	@echo "== The baseline to beat, raw pixels (same protocol):"
 	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --shots 1 2 5 \
 		--splits 3 --no-progress

@@ -1,4 +1,5 @@
-"""The on-disk form of an embedded corpus: what ``msn-embed`` writes and ``msn-index build`` reads (:func:`load_corpus`).
+"""The on-disk form of an embedded corpus: what ``msn-embed`` writes and ``msn-index build`` reads
+(:func:`load_corpus`).
 
 Both embedding drivers use it: the torch-free one (:mod:`msn_serve.corpus`, the serving engine) and the torchrun
 one (``training.bundle.embed``, several ranks). Image *i* of the listing gets id *i*; the listing is cut into shards

@@ -16,7 +16,8 @@ from functools import cache
 
 from msn_core.optional import require
 
-__all__ = ["CudaUnavailable", "cuda_device_count", "cuda_driver_problem", "driver_problem", "ort_cuda_problem", "ort_problem"]
+__all__ = ["CudaUnavailable", "cuda_device_count", "cuda_driver_problem", "driver_problem", "ort_cuda_problem",
+           "ort_problem"]
 
 LIBCUDA = ("libcuda.so.1", "libcuda.so", "nvcuda.dll")
 

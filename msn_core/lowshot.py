@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from msn_core.openmp import openmp_kept
 from msn_core.optional import require
 
 __all__ = ["DEFAULT_LAMBD", "LinearClassifier", "center_and_normalize", "fit_logistic"]
@@ -40,7 +41,10 @@ def center_and_normalize(features: np.ndarray) -> np.ndarray:
 
 @dataclass
 class LinearClassifier:
-    """A fitted classifier: ``scores = center_and_normalize(x) @ coef``; ``coef`` is (d, k), column j = ``classes[j]``."""
+    """A fitted classifier: ``scores = center_and_normalize(x) @ coef``.
+
+    ``coef`` is (d, k), column j = ``classes[j]``.
+    """
 
     coef: np.ndarray
     classes: np.ndarray
@@ -67,9 +71,10 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
                  tol: float = 1e-3, n_threads: int = 1, seed: int = 0) -> LinearClassifier:
     """Fit the low-shot classifier on raw features (normalised here); ``labels`` may be ints or strings.
 
-    One thread by default: cyanure ships its own OpenMP runtime, and after a multi-threaded fit torch's OpenMP
-    regions in the same process crawl (a few decoder training steps took minutes instead of a second); low-shot
-    problems are small enough that threads gain little.
+    One thread by default: low-shot problems are small enough that threads gain little. The fit runs inside
+    :func:`msn_core.openmp.openmp_kept`: cyanure turns on OpenMP's dynamic thread adjustment and changes the thread
+    count in whatever runtime it binds to (torch's, when torch came first), and left so, torch's backward in the
+    same process could spin for ever afterwards.
 
     Raises ``ValueError`` for unusable input (shape mismatch, NaN, fewer than two classes, ``lambd <= 0``) and when
     the fit diverges. Settings follow the official call: ``tol=1e-3``, 300 epochs, duality gap every 10, seed 0.
@@ -85,12 +90,21 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
         raise ValueError(f"need at least 2 distinct labels to fit a classifier, got {classes.tolist()}")
     if not (np.isfinite(lambd) and lambd > 0):
         raise ValueError(f"lambd must be a positive number, got {lambd}")
-    Classifier = require("cyanure.estimators", "the low-shot classifier fit").Classifier  # ~1 s, only here
+    start = time.perf_counter()
+    with openmp_kept():
+        coef = _fit_cyanure(x, y, classes, lambd=lambd, max_iter=max_iter, tol=tol, n_threads=n_threads, seed=seed)
+    if coef.shape != (x.shape[1], len(classes)) or not np.isfinite(coef).all():
+        raise ValueError(f"the fit diverged or returned coefficients of shape {coef.shape}; try a larger lambd")
+    return LinearClassifier(coef, classes, time.perf_counter() - start)
 
+
+def _fit_cyanure(x: np.ndarray, y: np.ndarray, classes: np.ndarray, *, lambd: float, max_iter: int, tol: float,
+                 n_threads: int, seed: int) -> np.ndarray:
+    """The (d, k) coefficients of the official objective on normalised rows ``x``."""
+    Classifier = require("cyanure.estimators", "the low-shot classifier fit").Classifier  # ~1 s, only here
     common = {"penalty": "l2", "fit_intercept": False, "lambda_1": lambd / len(y), "tol": tol, "solver": "auto",
               "max_iter": max_iter, "n_threads": n_threads, "random_state": seed, "duality_gap_interval": 10,
               "verbose": False}
-    start = time.perf_counter()
     if len(classes) == 2:
         clf = Classifier(loss="logistic", **common)
         clf.fit(x, np.where(y == classes[1], 1, -1))
@@ -102,6 +116,4 @@ def fit_logistic(features: np.ndarray, labels: np.ndarray, *, lambd: float = DEF
         clf.fit(x, codes)
         order = [list(clf.classes_).index(c) for c in range(len(classes))]
         coef = np.asarray(clf.coef_, dtype=np.float64)[:, order]
-    if coef.shape != (x.shape[1], len(classes)) or not np.isfinite(coef).all():
-        raise ValueError(f"the fit diverged or returned coefficients of shape {coef.shape}; try a larger lambd")
-    return LinearClassifier(coef, classes, time.perf_counter() - start)
+    return coef

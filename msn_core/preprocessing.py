@@ -27,7 +27,8 @@ from msn_core.bundle import Preprocessing
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["ResizeCrop", "normalise", "normalise_into", "preprocess_uint8", "resize_crop", "resize_plan", "to_mode", "transform_image"]
+__all__ = ["ResizeCrop", "normalise", "normalise_into", "preprocess_uint8", "resize_crop", "resize_plan", "to_mode",
+           "transform_image"]
 
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "box", "hamming")  # Pillow's Resampling names
 # Filters whose weights are continuous in the sample position: resampling only the crop window gives resize-then-crop

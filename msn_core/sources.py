@@ -121,7 +121,8 @@ def list_images(source: str, root: str | os.PathLike, *, split: str | None = Non
     """
     if source not in FILE_SOURCES:
         hint = " (an in-memory dataset: build it with training.data.build_dataset)" if source in MEMORY_SOURCES else ""
-        raise SourceError(f"source {source!r} is not listed from files{hint}; expected one of {', '.join(FILE_SOURCES)}")
+        raise SourceError(f"source {source!r} is not listed from files{hint}; "
+                          f"expected one of {', '.join(FILE_SOURCES)}")
     if source == "glob" or (source == "auto" and not os.path.exists(root) and glob.has_magic(os.fspath(root))):
         listing = _list_glob(os.fspath(root))
         return _select_subset(listing, Path(subset)) if subset is not None else listing

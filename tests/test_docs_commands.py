@@ -91,7 +91,8 @@ make no-such-target && make demo NO_SUCH_VARIABLE=1
 msn-visualize sample ... --mask-ratio 0.5 --no-such-option
 ```
 
-See [the app](visualizer.md#no-such-heading), [missing](no-such-file.md) and [fine](visualizer.md#the-app-visualizerapppy).
+See [the app](visualizer.md#no-such-heading), [missing](no-such-file.md) and \
+[fine](visualizer.md#the-app-visualizerapppy).
 """
 
 

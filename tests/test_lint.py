@@ -15,7 +15,8 @@ def test_ruff_is_clean():
     if ruff is None:
         pytest.skip("ruff is not installed (it comes with the dev extra)")
     result = subprocess.run(
-        [ruff, "check", "--output-format", "concise", "msn_core", "training", "msn_serve", "visualizer", "benchmarks", "tests"],
+        [ruff, "check", "--output-format", "concise",
+         "msn_core", "training", "msn_serve", "visualizer", "tests", "benchmarks"],
         cwd=REPO, capture_output=True, text=True, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr

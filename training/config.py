@@ -42,7 +42,8 @@ class ModelConfig:
     head_out_dim: int = 256
     head_use_bn: bool = True
     num_prototypes: int = 1024
-    # the frozen feature msn-export puts in the bundle (msn_core.features; benchmarks/evaluation/feature_choice.py picks it)
+    # the frozen feature msn-export puts in the bundle (msn_core.features;
+    # benchmarks/evaluation/feature_choice.py picks it)
     feature: str = "cls_pre_norm"
 
 
@@ -54,7 +55,8 @@ class DataConfig:
     root: str | None = None  # the folder of images, or the file list
     image_root: str | None = None  # where a file list's relative paths point; None: the list's own folder
     subset_file: str | None = None  # restrict the source to these relative paths or file names (ImageNet subsets)
-    load_size: int | None = 256  # workers decode + resize to this; random crops are taken on the device. None: image_size
+    # workers decode + resize to load_size; random crops are taken on the device. None: image_size
+    load_size: int | None = 256
     batch_size: int = 64  # per process (the official `criterion.batch_size`)
     num_workers: int = 8
     pin_memory: bool = True

@@ -36,7 +36,8 @@ def random_keep_idx(batch_size: int, num_patches: int, mask_ratio: float, *, sha
     if keep == num_patches:
         idx = torch.arange(num_patches).expand(batch_size, -1)
     elif shared:
-        idx = torch.randperm(num_patches, generator=generator, device=draw_device)[:keep].sort().values.expand(batch_size, -1)
+        drawn = torch.randperm(num_patches, generator=generator, device=draw_device)[:keep]
+        idx = drawn.sort().values.expand(batch_size, -1)
     else:
         noise = torch.rand(batch_size, num_patches, generator=generator, device=draw_device)
         idx = noise.argsort(dim=1)[:, :keep].sort(dim=1).values

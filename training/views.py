@@ -98,7 +98,8 @@ class MultiViewAugment(nn.Module):
         Move the uint8 batch to the training device before calling: the views are built where the input lives.
         """
         if images_uint8.dtype != torch.uint8 or images_uint8.dim() != 4 or images_uint8.shape[1] != 3:
-            raise ValueError(f"expected uint8 (B, 3, H, W) images, got {images_uint8.dtype} {tuple(images_uint8.shape)}")
+            raise ValueError(f"expected uint8 (B, 3, H, W) images, "
+                             f"got {images_uint8.dtype} {tuple(images_uint8.shape)}")
         batch = images_uint8.shape[0]
         images = images_uint8.float().div_(255.0)
         target, anchor = self.rand_views(self._shape_and_levels(images.repeat(2, 1, 1, 1))).split(batch)

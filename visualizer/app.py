@@ -1,10 +1,10 @@
 """Gradio app: mask an image, sample from the RCDM decoder, see what the MSN representation keeps.
 
-Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``, ``/neighbours``) so
-the app is also an API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and ``/compare``
-endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users. The random
-and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.masks` (the status line shows the
-specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
+Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``, ``/neighbours``) so the
+app is also an API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and
+``/compare`` endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users.
+The random and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.masks` (the status line shows
+the specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
 Sampling runs through Gradio's queue with a bounded concurrency. Outside localhost, protect it with a login
 (:func:`password_check`: user:password lines, or the msn-serve API key as the password).
 
@@ -268,9 +268,11 @@ def build_app(primary: RCDMPipeline | LiveDecoder | FrozenEncoder, compare: RCDM
             clicked = gr.State(None)
             with gr.Row():
                 with gr.Column(scale=1):
-                    image = CheckedImage(type="filepath", label="Image", sources=["upload"], elem_id="upload", height=240)
+                    image = CheckedImage(type="filepath", label="Image", sources=["upload"], elem_id="upload",
+                                         height=240)
                     if examples:
-                        gr.Examples([[str(p)] for p in examples], inputs=[image], label="Examples", examples_per_page=12)
+                        gr.Examples([[str(p)] for p in examples], inputs=[image], label="Examples",
+                                    examples_per_page=12)
                 with gr.Column(scale=1):
                     grid_img = gr.Image(label="Patch grid: click patches to drop / keep them", interactive=False,
                                         elem_id="patch-grid", height=GRID_PX, buttons=[])

@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     mask.add_argument("--mask-ratio", type=float, default=0.0, help="fraction of patches dropped at random")
     mask.add_argument("--focal", type=float, metavar="FRACTION",
                       help="keep only a centred block covering FRACTION of the grid side")
-    mask.add_argument("--mask", metavar="JSON", help='a mask specification as /embed takes, e.g. \'{"keep_idx": [0, 5]}\'')
+    mask.add_argument("--mask", metavar="JSON",
+                      help='a mask specification as /embed takes, e.g. \'{"keep_idx": [0, 5]}\'')
     sample.add_argument("--mask-seed", type=int, default=0, help='with --mask-ratio: the mask {"ratio": R, "seed": S}')
     sample.add_argument("--num-samples", type=int, default=8)
     sample.add_argument("--steps", type=int, help="sampling steps (default: the decoder config's)")

@@ -57,7 +57,10 @@ def split_holdout(listing: SourceListing, wanted: int) -> tuple[SourceListing, S
     count = min(wanted, int(len(listing) * HOLDOUT_MAX_FRACTION))
     if count <= 0:
         return listing, None
-    order = sorted(range(len(listing)), key=lambda i: hashlib.blake2b(listing.names[i].encode(), digest_size=8).digest())
+    def rank(i: int) -> bytes:
+        return hashlib.blake2b(listing.names[i].encode(), digest_size=8).digest()
+
+    order = sorted(range(len(listing)), key=rank)
     held = sorted(order[:count])
     kept = sorted(order[count:])
     return _subset(listing, kept), _subset(listing, held)

@@ -9,11 +9,11 @@ held-out originals is its ceiling. It needs labels: on unlabelled images (a flat
 ``class_consistency_reason``, and the log says so, rather than a zero that reads as a bad decoder.
 
 Feature similarity needs no labels: the mean cosine between a sample's embedding and its conditioning image's, beside
-the same with another held-out image's (``feature_similarity_other``, the level a decoder that ignores its
-condition reaches). Faithfulness and sharpness as ``benchmarks/evaluation/decoder_harness.py`` measures them, on
-these images (:mod:`visualizer.measures`): the re-encoded rank of each sample's conditioning image among up to
-``GALLERY`` held-out images, and the samples' high-frequency energy against their sources'. Held-out images come from :mod:`visualizer.data`. Sampling uses the run's own sampler and step
-count at guidance 1 (pure conditional), as the app does by default.
+the same with another held-out image's (``feature_similarity_other``, the level a decoder that ignores its condition
+reaches). Faithfulness and sharpness as ``benchmarks/evaluation/decoder_harness.py`` measures them, on these images
+(:mod:`visualizer.measures`): the re-encoded rank of each sample's conditioning image among up to ``GALLERY`` held-out
+images, and the samples' high-frequency energy against their sources'. Held-out images come from :mod:`visualizer.data`.
+Sampling uses the run's own sampler and step count at guidance 1 (pure conditional), as the app does by default.
 
 Everything torch does happens before cyanure fits (cyanure's OpenMP runtime can slow torch's later work in the same
 process), and the global RNG streams are left untouched so that a resumed run stays bit-exact.

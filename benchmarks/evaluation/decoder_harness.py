@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> dict:
     harness = Harness(pipe, args.images, args.seed, args.quick)
     out: dict = {"benchmark": "decoder_harness", "tag": args.tag, "bundle": pipe.encoder.model_id,
                  "decoder": str(args.decoder), "decoder_step": pipe.step, "quick": args.quick,
-                 "config": {"sampler": pipe.config.diffusion.sampler, "sample_steps": pipe.config.diffusion.sample_steps,
+                 "config": {"sampler": pipe.config.diffusion.sampler,
+                            "sample_steps": pipe.config.diffusion.sample_steps,
                             "image_size": pipe.image_size, "guidance_trained": pipe.guidance_trained},
                  "ceilings": harness.ceilings, "kid_real_vs_real": harness.kid_floor,
                  "gallery": len(harness.gallery_images), "rows": []}

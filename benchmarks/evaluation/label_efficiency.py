@@ -11,11 +11,12 @@ revealed only for ids a strategy picked. Budgets are reached in rounds of ``--ro
 ``select`` calls the service's cold-start selector each round (already-labelled ids excluded, as the endpoint's
 ``exclude_ids``), ``select+suggest`` uses the selector for the first round and the service's suggestions (from the
 classifier fitted so far) afterwards. Selection and suggestion run the service's own code
-(:mod:`msn_serve.classifiers.label_strategies`, on a seeded ``select_candidates`` sample of the pool, as the endpoints do); fits are
-the service's low-shot classifier (:mod:`msn_core.lowshot`, default lambda). The same loop on raw pixels is the
-control. ``--parts selectors`` compares every cold-start selector; ``--parts latency`` times the four endpoints
+(:mod:`msn_serve.classifiers.label_strategies`, on a seeded ``select_candidates`` sample of the pool, as the endpoints
+do); fits are the service's low-shot classifier (:mod:`msn_core.lowshot`, default lambda). The same loop on raw pixels
+is the control. ``--parts selectors`` compares every cold-start selector; ``--parts latency`` times the four endpoints
 over HTTP against a real ``msn-serve`` holding a 100k-item index. Writes ``benchmarks/results/label_efficiency.json``;
-``python -m benchmarks.render --plots`` turns it into ``docs/label_efficiency.png`` and a section of ``docs/results.md``.
+``python -m benchmarks.render --plots`` turns it into ``docs/label_efficiency.png`` and a section of
+``docs/results.md``.
 """
 from __future__ import annotations
 

@@ -70,17 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def random_bundle(msn_bundle: Path, out: Path, seed: int) -> Path:
     """A bundle with the MSN bundle's architecture and preprocessing but random-init weights."""
-    from msn_core.bundle import load_bundle_info
-    from training.bundle.export import export_bundle
-    from training.model.vit import VisionTransformer
+    from training.bundle.untrained import export_untrained
 
     if (out / "msn.json").is_file():
         return out
-    info = load_bundle_info(msn_bundle)
-    torch.manual_seed(10_007 + seed)  # never the seed a test or demo bundle was initialised with
-    random_encoder = VisionTransformer(**info.architecture.encoder_kwargs())
-    export_bundle(random_encoder, out, arch=info.architecture.name, preprocessing=info.preprocessing.to_dict(),
-                  feature=info.feature, parity_check=False, source_kind="random-init")
+    # never the seed a test or demo bundle was initialised with; the MSN bundle's feature
+    export_untrained(msn_bundle, out, seed=10_007 + seed, parity_check=False)
     return out
 
 
@@ -176,7 +171,8 @@ def evaluate(args: argparse.Namespace) -> dict:
                              + [to_hwc(s) for name in ("msn", "random") for s in outs[name][n * k:(n + 1) * k]])
         results["ratios"][f"{ratio:.1f}"] = stats
         print(f"ratio {ratio:.1f}: " + ", ".join(
-            f"{name} consistency {v['consistent']:.3f} cos {v['cos_msn']:.3f}" for name, v in stats.items()), flush=True)
+            f"{name} consistency {v['consistent']:.3f} cos {v['cos_msn']:.3f}" for name, v in stats.items()),
+            flush=True)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     grid = save_grid(grid_rows, args.out_dir / "rcdm_samples.png", cell=max(64, msn.image_size))

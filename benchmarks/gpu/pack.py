@@ -39,8 +39,8 @@ OUT = REPO / ".gpu"
 # What the GPU image lacks for the serving stack, the trainer and the tests (its package list: the device tool's
 # KINDS.md); everything else (numpy, onnx, safetensors, httpx, pytest, PyYAML, ...) is there already.
 WHEELS = ["onnxruntime-gpu==1.31.1", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
-          "typing-inspection", "uvicorn", "httptools", "uvloop", "python-multipart", "pydantic-settings", "python-dotenv", "orjson",
-          "faiss-cpu", "cyanure==1.2.2", "kornia", "kornia-rs",
+          "typing-inspection", "uvicorn", "httptools", "uvloop", "python-multipart", "pydantic-settings",
+          "python-dotenv", "orjson", "faiss-cpu", "cyanure==1.2.2", "kornia", "kornia-rs",
           # fastapi >= 0.16x imports opentelemetry's API (it was missing from the first GPU run's payload)
           "opentelemetry-api", "importlib-metadata"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",

@@ -45,7 +45,8 @@ def serve_section(report: dict) -> list[str]:
         "|---|---|---|---|",
     ]
     for row in report["http"] + [dict(report["http_mixed_masks"], concurrency="16, mixed mask ratios")]:
-        lines.append(f"| {row['concurrency']} | {row['images_per_s']:.1f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} |")
+        lines.append(f"| {row['concurrency']} | {row['images_per_s']:.1f} | {row['p50_ms']:.1f} "
+                     f"| {row['p99_ms']:.1f} |")
     offline = (
         f"Offline batched (decode + preprocess + ORT in one process): "
         f"{report['offline_batched']['images_per_s']:.1f} images/s; best HTTP / offline = "
@@ -79,7 +80,8 @@ def hostile_section(after: dict, before: dict | None) -> list[str]:
             answer = r["error"] or f"{r['bytes']:,} bytes"
             lines.append(f"| {case} | {r['status']} | {answer} |")
         growth = (f"Peak memory (VmHWM) of the server grew by {search['peak_memory_growth_mb']:.0f} MB over these "
-                  "requests (the issue's bar: 300 MB; before, one such request made a 10.5 GB response and an OOM kill).")
+                  "requests (the issue's bar: 300 MB; before, one such request made a 10.5 GB response "
+                  "and an OOM kill).")
         lines += ["", growth, ""]
     header = ("| code | fit (1800 examples, 360 classes) | /healthz p50 / p99 / max during the fit | "
               "8 x 6300² 16-bit PNGs: server CPU | peak memory growth |")
@@ -135,8 +137,9 @@ def render(results: Path) -> str:
     if serve.exists():
         report = json.loads(serve.read_text())
         if not report.get("quick"):
-            lines += ["## Serving", "", (f"`python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name}`"
-                      f"{' --only ' + ' '.join(report['sections']) if report.get('sections') else ''}."), ""]
+            lines += ["## Serving", "",
+                      (f"`python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name}`"
+                       f"{' --only ' + ' '.join(report['sections']) if report.get('sections') else ''}."), ""]
             lines += serve_section(report)
             if "int8" not in report or "faiss_tuned" not in report:
                 lines += [("These 2-core figures predate the int8, tuned-FAISS and HTTP measurements, which were "
@@ -147,15 +150,16 @@ def render(results: Path) -> str:
     vits = results / "vits_bench.json"
     if vits.exists() and "quick" not in (report := json.loads(vits.read_text()))["model"]:
         lines += ["## Serving ViT-S/16 at 224 px", "",
-                  ("`python -m benchmarks.serving.vits_bench`: every runtime and precision `msn-serve` offers on this CPU "
-                   "beside torch eager (the reference ceiling), what `--precision auto` serves, and HTTP at 1, 16 "
-                   "and 64 clients."), ""]
+                  ("`python -m benchmarks.serving.vits_bench`: every runtime and precision `msn-serve` offers on "
+                   "this CPU beside torch eager (the reference ceiling), what `--precision auto` serves, and HTTP "
+                   "at 1, 16 and 64 clients."), ""]
         lines += vits_section(report)
     avx2 = results / "vits_bench-avx2.json"
     if avx2.exists():
         lines += ["### An AVX2-only CPU", "",
-                  ("`python -m benchmarks.serving.vits_bench --out benchmarks/results/vits_bench-avx2.json`: the same run on a "
-                   "machine with neither bf16 nor int8 dot-product units (no AVX-512, VNNI or AMX)."), ""]
+                  ("`python -m benchmarks.serving.vits_bench --out benchmarks/results/vits_bench-avx2.json`: "
+                   "the same run on a machine with neither bf16 nor int8 dot-product units "
+                   "(no AVX-512, VNNI or AMX)."), ""]
         lines += vits_section(json.loads(avx2.read_text()))
     demo = results / "vits_bench-demo.json"
     if demo.exists():

@@ -48,7 +48,8 @@ def render_budget(result: dict) -> str:
     load = ", ".join(f"{m:g} min: {result['runs'][budget_bundle(m)]['load_before']:.2f}" for m in budgets)
     lines = [
         "## Accuracy against a wall-clock pretraining budget", "",
-        (f"`python -m benchmarks.training.budget_curve` on {describe_machine(result['machine'])}: `{result['config']}` pretrained once per "
+        (f"`python -m benchmarks.training.budget_curve` on {describe_machine(result['machine'])}: "
+         f"`{result['config']}` pretrained once per "
          f"budget with `--set optim.budget_minutes=B` (seed {result['seed']}), so each run's schedules end with its "
          "budget; the budget covers the training loop (calibration, steps, checkpoints), not export and "
          "evaluation. Low-shot top-1 (%), mean ± std over the 3 shipped splits with the official protocol (fixed "
@@ -105,7 +106,8 @@ def plot(result: dict, png: Path) -> None:
         ax.axhline(pixels_knn, color="tab:purple", linestyle="--", linewidth=1, label="raw pixels, kNN-20")
     ax.set_xlabel("pretraining budget (minutes of the training loop)")
     ax.set_ylabel("top-1 (%), low-shot: mean of 3 splits")
-    ax.set_title(f"Fashion-MNIST, {result['config']}, one run per budget\n{describe_machine(result['machine'])}", fontsize=10)
+    ax.set_title(f"Fashion-MNIST, {result['config']}, one run per budget\n{describe_machine(result['machine'])}",
+                 fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     png.parent.mkdir(parents=True, exist_ok=True)

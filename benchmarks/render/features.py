@@ -1,4 +1,7 @@
-"""The frozen-feature choice (``benchmarks/evaluation/feature_choice.py``): one table per bundle, held-out training images only."""
+"""The frozen-feature choice (``benchmarks/evaluation/feature_choice.py``).
+
+One table per bundle, held-out training images only.
+"""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,8 @@ def render_feature_choice(results: Path) -> str | None:
     if not files:
         return None
     lines = ["## Which feature to serve: chosen on held-out training images", "",
-             ("`python -m benchmarks.evaluation.feature_choice --bundle DIR`: each feature of the bundle's torch encoder on the "
+             ("`python -m benchmarks.evaluation.feature_choice --bundle DIR`: each feature of the bundle's torch "
+              "encoder on the "
               "60k training images; a seeded 10k of them are the validation set, low-shot draws (3 per setting, "
               "class-balanced) come from the other 50k; kNN-20 is pool against validation. The test set is not "
               "used. Score = mean of the four columns; the best MSN feature is the served default "

@@ -57,8 +57,10 @@ def cpu_pairing(report: dict) -> list[str]:
                      f"×{parts.get('speedup_on_views_vs_official', float('nan')):.2f} |")
     for precision, timing in report.get("speed_timing", {}).items():
         rates = ", ".join(f"{k} {v:.2f}" for k, v in timing["images_per_second"].items())
-        lines += ["", (f"The trainer's timing pass on this pairing in {precision} (`training/run/precision_timing.py`"
-                       f", {timing['steps']} steps undone, {timing['seconds']:.0f} s; threads kept at torch's default): "
+        lines += ["", (f"The trainer's timing pass on this pairing in {precision} "
+                       "(`training/run/precision_timing.py`"
+                       f", {timing['steps']} steps undone, {timing['seconds']:.0f} s; "
+                       "threads kept at torch's default): "
                        f"{rates} images/s; it chose **{timing['chosen']['run.cpu_attention']}**.")]
     return lines + [""]
 
@@ -80,14 +82,15 @@ def section(results: Path) -> list[str]:
     if serving is not None:
         lines += ["### Serving, offline (images/s)", "",
                   ("`python -m benchmarks.gpu.serving`: ONNX Runtime CUDA through the serving engine (IOBinding) and "
-                   "through plain `session.run` (*-plain*), torch eager on the GPU (the reference ceiling), and the CPU "
-                   "provider of the same machine; every output within cosine 0.9999 of ORT CPU fp32 (torch bf16 "
+                   "through plain `session.run` (*-plain*), torch eager on the GPU (the reference ceiling), and the "
+                   "CPU provider of the same machine; every output within cosine 0.9999 of ORT CPU fp32 (torch bf16 "
                    "0.99995). *half masked*: half of the 196 patches kept. Runners interleaved, median of "
                    "3 rounds × 5 runs."), ""]
         lines += _offline(serving) + [""]
         full = serving["offline"]["batches"]["64"]["full"]
-        lines += [(f"At batch 64: fp16 {full['ort-cuda/fp16']['images_per_s'] / full['ort-cuda/fp32']['images_per_s']:.2f}"
-                   f" × fp32 (target 1.5); the served fp16 engine {full['ort-cuda/fp16']['images_per_s'] / full['torch-cuda/bf16']['images_per_s']:.2f}"
+        fp16 = full["ort-cuda/fp16"]["images_per_s"]
+        lines += [(f"At batch 64: fp16 {fp16 / full['ort-cuda/fp32']['images_per_s']:.2f}"
+                   f" × fp32 (target 1.5); the served fp16 engine {fp16 / full['torch-cuda/bf16']['images_per_s']:.2f}"
                    " × torch bf16 eager (target 1.0). IOBinding as the engine bound it then (fresh device copies of "
                    "the inputs every batch) did not pay: plain `session.run` was faster in every row above, so the "
                    "engine now runs plain `session.run` on CUDA too (the *-plain* columns)."), ""]
@@ -100,8 +103,9 @@ def section(results: Path) -> list[str]:
                    "patch drop 0.15. *ours*: the real trainer on synthetic images (augmentation on the GPU inside "
                    "the step, from its metrics); *official*: facebookresearch/msn's step (`init_model`, `init_opt`, "
                    "`init_msn_loss`, the `train_step` body) on views already on the GPU, its data pipeline excluded "
-                   "as its own timer excludes it; its bf16 is our autocast wrapper (the official code trains in fp32). "
-                   f"Peaks measured in the same run: bf16 {c['bf16'] / 1e3:,.0f} TFLOP/s, fp32 {c['fp32'] / 1e3:,.1f}."),
+                   "as its own timer excludes it; its bf16 is our autocast wrapper "
+                   "(the official code trains in fp32). Peaks measured in the same run: "
+                   f"bf16 {c['bf16'] / 1e3:,.0f} TFLOP/s, fp32 {c['fp32'] / 1e3:,.1f}."),
                   "", "| precision | implementation | images/s | MFU (bf16 peak) | MFU (own peak) | peak GB |",
                   "|---|---|---|---|---|---|"]
         for r in training["rows"]:
@@ -136,7 +140,8 @@ def _http(h: dict) -> list[str]:
              (f"`msn-serve --device cuda` (served {first['served']['runtime']} {first['served']['precision']}, "
               f"max batch {h['batch']}, max wait {h['max_wait_ms']:g} ms), single-image JPEG clients over "
               f"{h['client_procs']} processes, beside the same engine offline."), "",
-             "| --http-workers | clients | images/s | p50 ms | p99 ms | server CPU ms/image |", "|---|---|---|---|---|---|"]
+             "| --http-workers | clients | images/s | p50 ms | p99 ms | server CPU ms/image |",
+             "|---|---|---|---|---|---|"]
     for workers, run in runs.items():
         fe = run.get("front_end") or {}
         label = f"{workers} ({fe['http_workers']} processes)" if workers == "auto" and fe else workers

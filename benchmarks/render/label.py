@@ -1,4 +1,7 @@
-"""The label-efficient loop's section of docs/results.md and its plot, from benchmarks/evaluation/label_efficiency.py's JSON."""
+"""The label-efficient loop's section of docs/results.md and its plot.
+
+Both come from benchmarks/evaluation/label_efficiency.py's JSON.
+"""
 from __future__ import annotations
 
 import json
@@ -45,7 +48,8 @@ def _cell(v: dict | None) -> str:
 def render_label_efficiency(report: dict) -> str:
     budgets = [str(b) for b in report["budgets"]]
     lines = [HEADER, "",
-             (f"`python -m benchmarks.evaluation.label_efficiency` on {describe_machine(report['machine'])} (pinned to core(s) "
+             (f"`python -m benchmarks.evaluation.label_efficiency` on {describe_machine(report['machine'])} "
+              "(pinned to core(s) "
               f"{report.get('cores_used', '?')}), bundle `{report['bundle']}` "
               f"(`{report.get('bundle_model_id', '?')}`). The 60,000 Fashion-MNIST training images are the "
               "unlabelled pool, the 10,000 test images score the classifier; labels are revealed only for picked "

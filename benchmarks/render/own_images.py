@@ -98,7 +98,8 @@ def other_folders_section(results: Path) -> str:
               "B` and nothing else; the other third is the test set. Low-shot: 3 seeded per-class samples of the "
               "training part; kNN-20 against the whole training part. One rule of the plan was found on these "
               "images (views that keep most of an image holding little detail, [results-notes](results-notes.md)); "
-              "nothing else in it was tuned on them. The plan upsamples both to 32 px, and raw pixels are scored under the bundle's "
+              "nothing else in it was tuned on them. The plan upsamples both to 32 px, and raw pixels are scored "
+              "under the bundle's "
               "preprocessing, so the two folders share one pixel baseline."), ""]
     for path in reports:
         lines += _folders_table(json.loads(path.read_text()))

@@ -138,8 +138,10 @@ def render_rcdm(result: dict) -> str:
     clf = result["classifier"]
     return "\n".join([
         "## What the representation keeps: RCDM samples", "",
-        (f"`python -m benchmarks.evaluation.rcdm_eval` on {describe_machine(result.get('machine_name', result['machine']))} (script run "
-         f"{result['seconds'] / 60:.1f} min; decoders that already existed are not retrained). Two decoders with the same config and {result['msn']['decoder_steps']} "
+        (f"`python -m benchmarks.evaluation.rcdm_eval` on "
+         f"{describe_machine(result.get('machine_name', result['machine']))} (script run "
+         f"{result['seconds'] / 60:.1f} min; decoders that already existed are not retrained). "
+         f"Two decoders with the same config and {result['msn']['decoder_steps']} "
          f"training steps, one conditioned on the MSN bundle `{result['msn']['bundle']}`, one on a random-init "
          f"encoder of the same architecture. {result['images']} class-balanced test images x "
          f"{result['samples_per_image']} samples ({result['sampling_steps']} {result['sampler'].upper()} steps) per "
@@ -154,7 +156,10 @@ def render_rcdm(result: dict) -> str:
 
 
 def render(docs: Path) -> str:
-    """The whole of ``docs/results.md``, from the JSON under ``docs`` (and the label loop's under benchmarks/results)."""
+    """The whole of ``docs/results.md``, from the JSON under ``docs``.
+
+    The label loop's JSON is read from under benchmarks/results.
+    """
     profiles = [json.loads(p.read_text()) for p in sorted((docs / "results").glob("*.json"))]
     rcdm = docs / RCDM_JSON
     notes = docs / "results-notes.md"

@@ -39,7 +39,8 @@ def faiss_lines(corpora: list[dict]) -> list[str]:
                   f"{c['threads']} FAISS threads; {verdict}."), "",
                   "| index | tuned parameters | recall@10 | batched queries/s | memory (MB) | build s |",
                   "|---|---|---|---|---|---|",
-                  f"| flat (exact) | - | 1.000 | {c['flat']['qps']:,.0f} | {c['flat']['memory_bytes'] / 1e6:,.0f} | - |"]
+                  f"| flat (exact) | - | 1.000 | {c['flat']['qps']:,.0f} "
+                  f"| {c['flat']['memory_bytes'] / 1e6:,.0f} | - |"]
         for r in c["kinds"]:
             p = r["plan"]
             name = {"ivf": f"IVF-Flat {p['nlist']}", "hnsw": f"HNSW{p['hnsw_m']}",
@@ -144,14 +145,16 @@ def sections(results: Path) -> list[str]:
     if one.exists():
         report = json.loads(one.read_text())
         lines += ["## Serving speed on one core", "",
-                  (f"`taskset -c 1 python -m benchmarks.serving.serve_bench --bundle bundles/{Path(report['bundle']).name} "
+                  ("`taskset -c 1 python -m benchmarks.serving.serve_bench "
+                   f"--bundle bundles/{Path(report['bundle']).name} "
                    f"--only {' '.join(report['sections'])} --client-procs 1` (with `OMP_NUM_THREADS=1`)."), ""]
         lines += one_core_section(report)
     faiss = results / "faiss_1m-2core.json"
     if faiss.exists():
         report = json.loads(faiss.read_text())
         lines += _faiss_section(report, "### FAISS at a million vectors, two cores",
-                                f"`python -m benchmarks.serving.faiss_bench --kinds {' '.join(report['kinds'])} --corpora "
+                                f"`python -m benchmarks.serving.faiss_bench --kinds {' '.join(report['kinds'])} "
+                                "--corpora "
                                 f"{' '.join(c['corpus'] for c in report['faiss_tuned'])}`, nothing else running.")
     faiss = results / "faiss_1m-1core.json"
     if faiss.exists():

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         common = ["--bundle", str(args.bundle), "--data", str(args.images), "--runtime", choice.runtime,
                   "--precision", choice.precision, "--batch-size", str(args.batch_size), "--shard-size",
-                  str(shard_size), "--threads", str(args.threads)] + (["--limit", str(args.limit)] if args.limit else [])
+                  str(shard_size), "--threads", str(args.threads)]
+        common += ["--limit", str(args.limit)] if args.limit else []
         full = work / "full"
         t0 = time.perf_counter()
         finish(msn_embed([*common, "--out", str(full)]), "msn-embed")

@@ -102,7 +102,8 @@ def run(port: int, requests: list[bytes], concurrency: int, total: int, procs: i
     ``total`` requests, cycling through ``requests``. Reports images/s, latency percentiles and CPU seconds (the
     server's from ``server_cpu`` when given, e.g. a process with its workers, else ``server_pid``'s own)."""
     if server_cpu is None and server_pid:
-        server_cpu = lambda: cpu_seconds(server_pid)
+        def server_cpu() -> float:
+            return cpu_seconds(server_pid)
     procs = max(1, min(procs, concurrency))
     ctx = get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(procs, mp_context=ctx) as pool:

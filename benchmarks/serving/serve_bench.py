@@ -29,7 +29,7 @@ from benchmarks.serving import faiss_bench, http_load, int8_bench
 from benchmarks.serving.serve_harness import pct, start_server, test_images, tiny_bundle
 
 
-# ---- (1) ORT vs torch eager -------------------------------------------------------------------------------------------
+# ---- (1) ORT vs torch eager ------------------------------------------------------------------------------------------
 def ort_vs_torch(bundle: Path, batch: int, threads: int, reps: int) -> dict:
     import torch
 

@@ -45,7 +45,7 @@ def test_images(n: int, seed: int = 0) -> list[bytes]:
     return out
 
 
-# ---- (2)+(3) HTTP ---------------------------------------------------------------------------------------------------------
+# ---- (2)+(3) HTTP ----------------------------------------------------------------------------------------------------
 def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO,
                  launcher: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """``msn-serve`` from the source tree ``src`` (this one by default) on a free port, once ready; ``launcher``
@@ -56,9 +56,10 @@ def start_server(bundle: Path, data: Path, args: list[str], src: Path = REPO,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "msn_serve"]), "--bundle", str(bundle), "--data-dir", str(data),
-                             "--port", str(port), "--log-level", "warning", *args], cwd=src,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))},
+    pythonpath = os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "msn_serve"]), "--bundle", str(bundle),
+                             "--data-dir", str(data), "--port", str(port), "--log-level", "warning", *args], cwd=src,
+                            env={**os.environ, "PYTHONPATH": pythonpath},
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

@@ -138,7 +138,8 @@ def _prepare(url: str, dim: int) -> None:
     with httpx.Client(base_url=url, timeout=120) as c:
         for start in range(0, 5000, 1000):
             ids = list(range(start, start + 1000))
-            r = c.post("/index/soak/add", json={"ids": ids, "vectors": rng.standard_normal((1000, dim)).round(4).tolist()})
+            vectors = rng.standard_normal((1000, dim)).round(4).tolist()
+            r = c.post("/index/soak/add", json={"ids": ids, "vectors": vectors})
             r.raise_for_status()
         labels = [f"c{i % 5}" for i in range(50)]
         r = c.post("/fewshot/fit", json={"name": "soak", "labels": labels,

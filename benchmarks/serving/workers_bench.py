@@ -72,7 +72,10 @@ def http_rate(bundle: Path, tmp: Path, images: list[bytes], workers: str, client
                                                                "--http-workers", workers, *PINNED])
     port = int(url.rsplit(":", 1)[1])
     requests = [http_load.embed_request("127.0.0.1", d) for d in images]
-    cpu = lambda: tree_cpu_seconds(proc.pid)
+
+    def cpu() -> float:
+        return tree_cpu_seconds(proc.pid)
+
     try:
         probe = http_load.run(port, requests, clients, clients * 4, client_procs, server_cpu=cpu)
         r = http_load.run(port, requests, clients, max(clients * 4, int(probe["images_per_s"] * seconds)),

@@ -62,7 +62,8 @@ def build_plan(work: Path, config: Path, budgets: list[float], seed: int) -> lis
     first = budget_bundle(budgets[0])
     random_dir = work / "bundles" / "random_init"
     steps.append(Step("export random_init", [f"(python) export_bundle(VisionTransformer(**arch), seed {seed})"],
-                      [random_dir / "msn.json"], lambda: export_random_init(work / "bundles" / first, random_dir, seed)))
+                      [random_dir / "msn.json"],
+                      lambda: export_random_init(work / "bundles" / first, random_dir, seed)))
     for bundle in [*map(budget_bundle, budgets), "random_init", "pixels"]:
         extra = ["--backend", "pixels"] if bundle == "pixels" else []
         steps.append(eval_step(work, bundle, "lowshot", ["--shots", *SHOTS, "--splits", "3", *extra],

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=8, help="model.image_size with --recipe old")
     parser.add_argument("--budget-minutes", type=float, default=10.0, help="the planned run (the denominator)")
     parser.add_argument("--total-steps", type=int, help="plan this many steps instead of a budget (a fixed "
-                        "denominator, e.g. the 2,468 steps 10 minutes gave on the AVX2 machine the failure was seen on)")
+                        "denominator, e.g. the 2,468 steps 10 minutes gave on the AVX2 machine the failure was "
+                        "seen on)")
     parser.add_argument("--max-fraction", type=float, default=0.1,
                         help="end an unflagged run at this fraction of its planned steps")
     parser.add_argument("--seed", type=int, default=0)

@@ -13,9 +13,9 @@ same stratified 2/3 : 1/3 split, seed 0, resampled to 32 px), under ``runs/digit
 the planned run (``--data DIR``, no config) sized in optimiser steps rather than minutes, so a shared machine
 cannot change what is learned: ``--set optim.total_steps=N --set run.max_steps=N`` (the schedules end with the
 run, as a planned budget's do) and ``--set run.precision=fp32`` (``auto`` times fp32 against bf16 on CPUs with bf16
-units, so contention could pick either), plus the variant's own ``--set``s. Then ``msn-export``, ``msn-eval knn`` (kNN-20)
-and ``msn-eval lowshot --shots 5`` for the bundle, and the same two for raw pixels once, as other_folders.py does.
-From each run's ``metrics.jsonl``: the loss, target entropy and mean max target probability of the first and last
+units, so contention could pick either), plus the variant's own ``--set``s. Then ``msn-export``, ``msn-eval knn``
+(kNN-20) and ``msn-eval lowshot --shots 5`` for the bundle, and the same two for raw pixels once, as other_folders.py
+does. From each run's ``metrics.jsonl``: the loss, target entropy and mean max target probability of the first and last
 logged records. Steps whose outputs exist are skipped. Nothing here is timed.
 
 Before each pretraining run the script waits while ``/tmp/msn_machine_busy`` exists (a shared machine's flag).
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             variants[name] = parse(spec)
         else:
             variants[v] = VARIANTS[v]
-    base = ROOT / f"{args.data}-{args.steps}" if args.stop_at is None else ROOT / f"{args.data}-{args.steps}-stop{args.stop_at}"
+    stop = "" if args.stop_at is None else f"-stop{args.stop_at}"
+    base = ROOT / f"{args.data}-{args.steps}{stop}"
     plans = {name: variant_steps(base / name, name, o, args.steps, args.data, args.splits, args.stop_at)
              for name, o in variants.items()}
     ref = next(iter(plans))

@@ -12,10 +12,10 @@ then it is a different set: ``images.json`` lists the fonts used), with affine j
 translation), stroke jitter (bold fonts, and strokes widened or, at 24 px and more, thinned by a grey-level
 dilation or erosion) and contrast jitter, mixed in one folder at several sizes (16, 28 and 32 px by default: a
 user's folder is rarely one size, and the planner picks the image size from the median). Grey 8-bit PNGs, a light
-glyph on a dark background: the polarity of Fashion-MNIST and scikit-learn's digits, the project's other two
-development sets, so the three compare (ink is the high value in all of them). Every class has the same number of images at every size and
-in every font (2,880 training and 1,440 test images by default); image ``i`` of a split is drawn from its own seeded
-generator, so the set is the same on every run and machine with the same fonts and Pillow.
+glyph on a dark background: the polarity of Fashion-MNIST and scikit-learn's digits, the project's other two development
+sets, so the three compare (ink is the high value in all of them). Every class has the same number of images at every
+size and in every font (2,880 training and 1,440 test images by default); image ``i`` of a split is drawn from its own
+seeded generator, so the set is the same on every run and machine with the same fonts and Pillow.
 
 1. ``DATA/flat/NNNNN.png`` (the training images, no labels), the same images as ``DATA/nested/sK/subJ/NNNNN.png``
    (two folders deep, so the trainer's ``auto`` source lists them as one unlabelled folder rather than as classes),
@@ -115,7 +115,9 @@ def font_name(font: str) -> str:
     if font != DEFAULT_FONT:
         return Path(font).stem
     loaded = _font(font)
-    return f"{DEFAULT_FONT} ({' '.join(loaded.getname())})" if hasattr(loaded, "getname") else f"{DEFAULT_FONT} (bitmap)"
+    if hasattr(loaded, "getname"):
+        return f"{DEFAULT_FONT} ({' '.join(loaded.getname())})"
+    return f"{DEFAULT_FONT} (bitmap)"
 
 
 @cache

@@ -5,13 +5,13 @@
     python -m benchmarks.training.recipe_search --trial my-idea --budget 5 --set mask.num_focal=2   # an ad-hoc trial
     python -m benchmarks.render                                          # docs/recipe_search.md (and the rest)
 
-A trial runs ``training/pretrain.py`` with ``optim.budget_minutes`` (the schedules end when the budget does), or
-with a fixed ``optim.total_steps`` when the trial names one, then ``msn-export`` and ``msn-eval``: low-shot at 1, 2 and 5 labels per class on the 3 shipped splits (the official
-protocol, fixed lambda) and weighted kNN-20 against the whole training set. Results are appended to
-``benchmarks/results/recipe_search.json`` as each trial finishes; a trial already there is not run again, so an
-interrupted search continues. Wall time, images/s and the machine are recorded with every row: a budget means
-little without the throughput it bought. ``--cpus``/``--threads`` pin a trial, so two can run side by side on
-separate cores (each then has half the machine: compare trials run with the same pinning only).
+A trial runs ``training/pretrain.py`` with ``optim.budget_minutes`` (the schedules end when the budget does), or with a
+fixed ``optim.total_steps`` when the trial names one, then ``msn-export`` and ``msn-eval``: low-shot at 1, 2 and 5
+labels per class on the 3 shipped splits (the official protocol, fixed lambda) and weighted kNN-20 against the whole
+training set. Results are appended to ``benchmarks/results/recipe_search.json`` as each trial finishes; a trial already
+there is not run again, so an interrupted search continues. Wall time, images/s and the machine are recorded with every
+row: a budget means little without the throughput it bought. ``--cpus``/``--threads`` pin a trial, so two can run side
+by side on separate cores (each then has half the machine: compare trials run with the same pinning only).
 
 Screening trials use fixed step counts rather than wall-clock budgets: on a machine whose other core is busy, a
 budget buys a varying number of steps (up to a third more or less, measured), which would swamp the differences

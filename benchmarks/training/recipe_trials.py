@@ -1,7 +1,7 @@
 """The recipe search's recorded trials, stage by stage, and the raw-pixel baseline they are compared with.
 
-Data, not code: ``benchmarks/training/recipe_search.py`` runs these trials and the renderer lists the ones not run yet, so
-both import this module rather than each other.
+Data, not code: ``benchmarks/training/recipe_search.py`` runs these trials and the renderer lists the ones not run yet,
+so both import this module rather than each other.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ def speed_choice(config: str | None, overrides: list[str]) -> dict:
     from training.run.precision_timing import choose_speed
 
     items = [o for o in COMMON + overrides if not o.startswith(("run.max_steps=", "optim.budget_minutes="))]
-    cfg = load_config(REPO / config if config else None, [*items, "optim.budget_minutes=null", "optim.total_steps=100000"])
+    cfg = load_config(REPO / config if config else None,
+                      [*items, "optim.budget_minutes=null", "optim.total_steps=100000"])
     run = build_run(cfg, dist.init_distributed(cfg.run.device))
     choice = choose_speed(run)
     return {**choice.record(), "why": choice.reasons, "global_batch": run.global_batch}

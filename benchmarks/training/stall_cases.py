@@ -83,8 +83,8 @@ CASES = (
     Case("glyphs", "glyphs", 5_000, healthy=None),
     Case("demo", "demo", 5_000),
 )
-# The stall warning's targets as a user runs them: wall-clock budgets, run.precision auto, the machine to itself. ``steps``
-# only sizes the stall check's 10 % (the planned length is read back from the run).
+# The stall warning's targets as a user runs them: wall-clock budgets, run.precision auto, the machine to itself.
+# ``steps`` only sizes the stall check's 10 % (the planned length is read back from the run).
 TIMED = (
     Case("planted-small-2m", "fmnist2000", 0, PLANT, healthy=False, budget="2m"),
     Case("planted-demo-10m", "demo", 0, PLANT, stop_at=1_000, healthy=False, budget="10m"),

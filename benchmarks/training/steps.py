@@ -141,18 +141,13 @@ def run_record(run_dir: Path) -> dict:
             "images_per_sec": statistics.median(rates), **json.loads((run_dir / "done.json").read_text())}
 
 
-def export_random_init(reference: Path, out: Path, seed: int) -> None:
-    """A randomly initialised trunk of the same architecture and preprocessing as the MSN bundle."""
-    import torch
+def export_random_init(reference: Path, out: Path, seed: int, feature: str = "cls_pre_norm") -> None:
+    """A randomly initialised trunk of the same architecture and preprocessing as the MSN bundle
+    (:func:`training.bundle.untrained.export_untrained`, the code of ``msn-eval --untrained``). ``feature``: the
+    graph's output, ``cls_pre_norm`` as the stored ``random_init`` rows were measured; ``None``: the reference's."""
+    from training.bundle.untrained import export_untrained
 
-    from msn_core.bundle import load_bundle_info
-    from training.bundle.export import export_bundle
-    from training.model.vit import VisionTransformer
-
-    info = load_bundle_info(reference)
-    torch.manual_seed(seed)
-    export_bundle(VisionTransformer(**info.architecture.encoder_kwargs()), out, arch=info.architecture.name,
-                  preprocessing=info.preprocessing.to_dict(), source_kind="random-init")
+    export_untrained(reference, out, seed=seed, feature=feature)
 
 
 def print_plan(steps: list[Step], force: bool = False) -> None:

@@ -12,10 +12,10 @@ alone elsewhere); `--batch-sizes` adds rows at other per-process batches (the le
 Each masking ratio is measured for the full MSN step (masked anchor + focal views + target) and the anchor branch
 alone (no focal views), where the saving from dropped tokens shows undiluted.
 
-    python -m benchmarks.training.train_throughput --preset cpu-small                 # docs/benchmarks.md's masking table
-    python -m benchmarks.training.train_throughput --preset cpu-recipe --ratios 0.3   # the small-image recipe's step
+    python -m benchmarks.training.train_throughput --preset cpu-small  # docs/benchmarks.md's masking table
+    python -m benchmarks.training.train_throughput --preset cpu-recipe --ratios 0.3  # the small-image recipe's step
     python -m benchmarks.training.train_throughput --preset cpu-recipe --ratios 0.3 --variants msn --batch-sizes 64 256
-    python -m benchmarks.training.train_throughput --preset gpu-s16 --preset gpu-l7   # on a GPU machine
+    python -m benchmarks.training.train_throughput --preset gpu-s16 --preset gpu-l7  # on a GPU machine
 
 Writes JSON (default benchmarks/results/train_throughput-<preset>.json) and prints each row; the table of
 docs/benchmarks.md is rendered from it by ``python -m benchmarks.render``.

@@ -2,9 +2,9 @@
 
 The fit (row centring + L2, cyanure multinomial logistic regression with ``lambd / n``, the two-class case, the
 default lambda) is the one ``msn-eval`` reports accuracy with; the service runs it in a worker process
-(:mod:`msn_serve.classifiers.fitpool`). This module adds the service's checks, string labels, top-k predictions and durable
-storage: one ``.npz`` per classifier (float weights + JSON as bytes, loaded with ``allow_pickle=False``), written
-atomically before a fit is acknowledged.
+(:mod:`msn_serve.classifiers.fitpool`). This module adds the service's checks, string labels, top-k predictions and
+durable storage: one ``.npz`` per classifier (float weights + JSON as bytes, loaded with ``allow_pickle=False``),
+written atomically before a fit is acknowledged.
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ with a 422 that says so.
 The vectors are kept in the low-shot classifier's space (each row centred and L2-normalised,
 :func:`msn_serve.classifiers.label_strategies.as_space`): the classifier normalises its input the same way, so a fit
 on them equals a fit on the raw embeddings (whether the index normalised them or not), and select/suggest/predict_index
-work on them without converting anything per call. The matrix is built once per index version (``seq``) and kept beside the
-index (the store's own storage may change under a later add): one more copy of the vectors, 77 MB at 100k x 192.
+work on them without converting anything per call. The matrix is built once per index version (``seq``) and kept
+beside the index (the store's own storage may change under a later add): one more copy of the vectors, 77 MB at
+100k x 192.
 """
 from __future__ import annotations
 

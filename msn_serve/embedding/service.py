@@ -151,7 +151,10 @@ class EmbeddingService:
                             "(max_images_per_request)")
 
     async def vectors(self, inputs: Inputs, sent_as: str, dim: int) -> np.ndarray:
-        """The vectors sent (as ``sent_as``), or else the embeddings of the images (never both), of dimension ``dim``."""
+        """The vectors sent (as ``sent_as``), or else the embeddings of the images (never both).
+
+        Either way of dimension ``dim``.
+        """
         given = inputs.vectors
         if given is not None and inputs.images:
             raise unprocessable(f"send either images or {sent_as}, not both")

@@ -95,7 +95,8 @@ def _target(args: argparse.Namespace) -> tuple[Path, Path | None]:
                   file=sys.stderr)
     else:
         if not args.name or not NAME_RE.fullmatch(args.name):
-            raise BuildError(f"--data-dir needs --name matching {NAME_RE.pattern} (msn-serve's rule), got {args.name!r}")
+            raise BuildError(f"--data-dir needs --name matching {NAME_RE.pattern} (msn-serve's rule), "
+                             f"got {args.name!r}")
         out, data_dir = args.data_dir / "indexes" / args.name, args.data_dir
     if not NAME_RE.fullmatch(out.name):
         raise BuildError(f"index name {out.name!r} must match {NAME_RE.pattern} (msn-serve's rule)")

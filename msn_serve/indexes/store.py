@@ -1,12 +1,13 @@
 """The set of indexes: loading (quarantining what cannot be read), create and drop, on FAISS or Milvus.
 
-A FAISS index (the default) lives under ``<data-dir>/indexes/<name>`` (:class:`~msn_serve.indexes.managed.ManagedIndex`);
-a Milvus one in a collection (:class:`~msn_serve.indexes.milvus.MilvusIndex`), created with ``"backend": "milvus"``
-or on a server started with ``--index-backend milvus``. Both are :class:`~msn_serve.indexes.base.VectorIndex`:
-nothing above this module asks which one it holds. Milvus is connected when it is used: at start-up when
-``--milvus-uri`` is given, the default backend is Milvus or ``<data-dir>/milvus.db`` exists, else at its first
-create. Create and drop are serialised by one lock; each index serialises its own writes and searches. The per-index
-limits (WAL compaction size, metadata bytes) come from the settings and are handed to every index here.
+A FAISS index (the default) lives under ``<data-dir>/indexes/<name>``
+(:class:`~msn_serve.indexes.managed.ManagedIndex`); a Milvus one in a collection
+(:class:`~msn_serve.indexes.milvus.MilvusIndex`), created with ``"backend": "milvus"`` or on a server started with
+``--index-backend milvus``. Both are :class:`~msn_serve.indexes.base.VectorIndex`: nothing above this module asks which
+one it holds. Milvus is connected when it is used: at start-up when ``--milvus-uri`` is given, the default backend is
+Milvus or ``<data-dir>/milvus.db`` exists, else at its first create. Create and drop are serialised by one lock; each
+index serialises its own writes and searches. The per-index limits (WAL compaction size, metadata bytes) come from the
+settings and are handed to every index here.
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
 
-__all__ = ["IndexChoice", "Tuned", "choose", "estimate_bytes", "evaluate", "index_bytes", "nlist_for", "plans", "recall",
-           "select", "tune_knob"]
+__all__ = ["IndexChoice", "Tuned", "choose", "estimate_bytes", "evaluate", "index_bytes", "nlist_for", "plans",
+           "recall", "select", "tune_knob"]
 
 GB = 1e9
 PQ_CHOICES = (64, 48, 32, 24, 16, 12, 8, 4)
@@ -124,8 +124,8 @@ def choose(n: int, d: int, budget: float, *, exact_below: int, kind: str = "auto
                     reason="requested")
     if kind == "ivfpq-rerank":
         m = fastscan_m(d)
-        return IndexChoice("ivfpq", nlist, m, k_factor=1, fastscan=True, reason="requested", bytes_estimate=estimate_bytes(
-            "ivfpq", n, d, nlist=nlist, pq_m=m, k_factor=1, fastscan=True))
+        return IndexChoice("ivfpq", nlist, m, k_factor=1, fastscan=True, reason="requested",
+                           bytes_estimate=estimate_bytes("ivfpq", n, d, nlist=nlist, pq_m=m, k_factor=1, fastscan=True))
     return IndexChoice(kind, nlist if kind == "ivf" else 0, hnsw_m=hnsw_m, reason="requested",
                 bytes_estimate=estimate_bytes(kind, n, d, nlist=nlist, hnsw_m=hnsw_m))
 

@@ -4,7 +4,8 @@ An embed call names ring slots; each slot's uint8 crop and kept indices go to th
 into the shared mapping (nothing is copied until the batch is packed and normalised), and the embeddings go back in
 the reply. The model is looked up and held (:meth:`ServedModel.use`) here, in the process that owns it, so a model
 replaced while the crop was being prepared is answered by the model served now when it prepares crops alike, and
-otherwise sends the HTTP process back to prepare them again (:data:`~msn_serve.workers.wire.STALE`). Request records and closed-connection counts from the HTTP process are applied here.
+otherwise sends the HTTP process back to prepare them again (:data:`~msn_serve.workers.wire.STALE`). Request records
+and closed-connection counts from the HTTP process are applied here.
 """
 from __future__ import annotations
 

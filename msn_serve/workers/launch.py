@@ -1,11 +1,11 @@
 """``--http-workers``: how many HTTP processes, and starting the server with them.
 
-``auto`` decides from the engine and the cores (the affinity mask, capped by a container's CPU limit). One process's front end serves about 600 single-image requests a
-second, whatever the cores (docs/serving.md, "Front end"): an engine slower than half of that leaves the front end
-idle, and HTTP processes would only take memory and the engine's cores; a faster one (a GPU, a small model on
-a CPU) is fed by one HTTP process per core (on a GPU host, one core is left to the engine process). On a CPU the
-engine's rate is read from the start-up runtime measurement, or measured here (a few batches) when the precision
-was pinned.
+``auto`` decides from the engine and the cores (the affinity mask, capped by a container's CPU limit). One process's
+front end serves about 600 single-image requests a second, whatever the cores (docs/serving.md, "Front end"): an engine
+slower than half of that leaves the front end idle, and HTTP processes would only take memory and the engine's cores; a
+faster one (a GPU, a small model on a CPU) is fed by one HTTP process per core (on a GPU host, one core is left to the
+engine process). On a CPU the engine's rate is read from the start-up runtime measurement, or measured here (a few
+batches) when the precision was pinned.
 """
 from __future__ import annotations
 

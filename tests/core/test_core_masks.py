@@ -68,8 +68,9 @@ def test_focal_and_bitmap_helpers_on_rectangular_grids():
 @pytest.mark.parametrize("spec, needle", [
     ({"ratio": 1.0}, "ratio"), ({"ratio": -0.1}, "ratio"), ({"ratio": "x"}, "ratio"), ({"ratio": True}, "ratio"),
     ({"ratio": float("nan")}, "ratio"), ({"ratio": 0.5, "seed": -1}, "seed"), ({"ratio": 0.5, "seed": []}, "seed"),
-    ({"ratio": 0.5, "seed": [1, "a"]}, "seed"), ({"focal": {"size": 9}}, "8x8"), ({"focal": {"size": 2, "top": 7}}, "top"),
-    ({"focal": {"size": 2, "left": -1}}, "left"), ({"focal": {"size": "big"}}, "focal.size"),
+    ({"ratio": 0.5, "seed": [1, "a"]}, "seed"), ({"focal": {"size": 9}}, "8x8"),
+    ({"focal": {"size": 2, "top": 7}}, "top"), ({"focal": {"size": 2, "left": -1}}, "left"),
+    ({"focal": {"size": "big"}}, "focal.size"),
     ({"focal": {"size": 2, "x": 1}}, "unknown"), ({"focal": 3}, "focal"), ({"keep_idx": [64]}, "[0, 64)"),
     ({"keep_idx": [1, 1]}, "duplicate"), ({"keep_idx": []}, "keep_idx"), ({"keep_idx": [1.5]}, "keep_idx"),
     ({"keep_idx": [True]}, "keep_idx"), ({"bitmap": [[1] * 7] * 7}, "8x8"), ({"bitmap": [[1] * 8] * 7 + [[1]]}, "8x8"),

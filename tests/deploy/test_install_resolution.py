@@ -25,7 +25,8 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 UNREACHABLE = re.compile(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
-                         r"Failed to establish a new connection|No matching distribution found for (onnx|faiss|fastapi)")
+                         r"Failed to establish a new connection|"
+                         r"No matching distribution found for (onnx|faiss|fastapi)")
 
 
 def resolve(target: str, tmp_path: Path) -> set[str]:

@@ -1,4 +1,7 @@
-"""benchmarks/evaluation/label_efficiency.py on tiny synthetic data: the loop, its targets and its report (no dataset needed)."""
+"""benchmarks/evaluation/label_efficiency.py on tiny synthetic data: the loop, its targets and its report.
+
+No dataset is needed.
+"""
 from __future__ import annotations
 
 import numpy as np

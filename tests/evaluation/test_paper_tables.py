@@ -70,8 +70,10 @@ def test_a_budgeted_profile_renders_first_with_its_own_strategy_rows(tables, tmp
         return {"results": [{"setting": s, "mean": acc, "std": 0.5, "fit_seconds": [0.1]} for s, _ in SETTINGS]}
 
     focal = tables.PROFILES["demo"].focal_views
-    runs = {n: {"label": r.label, "steps": 1000 + i} for i, (n, r) in enumerate(tables.pretraining_runs(0.3, focal).items())}
-    evals = {"msn-lowshot": lowshot(60.0), "msn_focal-lowshot": lowshot(55.0), "msn_focal-knn": {"results": [{"top1": 80.5}]},
+    runs = {n: {"label": r.label, "steps": 1000 + i}
+            for i, (n, r) in enumerate(tables.pretraining_runs(0.3, focal).items())}
+    evals = {"msn-lowshot": lowshot(60.0), "msn_focal-lowshot": lowshot(55.0),
+             "msn_focal-knn": {"results": [{"top1": 80.5}]},
              "no_mask-cls-lowshot": lowshot(40.0), "no_mask-cls-knn": {"results": [{"top1": 70.25}]}}
     demo = {"profile": "demo", "machine": "demo machine", "seconds": 60.0, "overrides": {}, "default_ratio": 0.3,
             "lambd": 0.00025, "runs": runs, "evals": evals, "budgeted": True, "config": "configs/fmnist_vit_tiny.yaml",
@@ -88,7 +90,8 @@ def test_a_budgeted_profile_renders_first_with_its_own_strategy_rows(tables, tmp
     assert "| random + focal | `msn_focal` | 55.0 ± 0.5 | 55.0 ± 0.5 | 55.0 ± 0.5 | 55.0 ± 0.5 | 80.5 | 59.8 |" in text
     assert "msn 1,000, msn_focal 1,001" in text and "on 16 patches" in text
     assert "### 6. Every run on the paper's feature" in text.split("## Profile `cpu`")[0]
-    assert "| `no_mask`: no masking (no random mask, no focal views) | 40.0 ± 0.5 | 40.0 ± 0.5 | 40.0 ± 0.5 | 40.0 ± 0.5 | 70.2 |" in text
+    assert ("| `no_mask`: no masking (no random mask, no focal views) "
+            "| 40.0 ± 0.5 | 40.0 ± 0.5 | 40.0 ± 0.5 | 40.0 ± 0.5 | 70.2 |") in text
     assert "### 6." not in text.split("## Profile `cpu`")[1]  # the old profile measured no CLS rows
 
 
@@ -98,7 +101,8 @@ def test_render_includes_the_rcdm_table_when_its_results_exist(tmp_path):
     ratio = {"msn": {"consistent": 0.41, "cos_msn": 0.98}, "random": {"consistent": 0.17, "cos_msn": 0.96}}
     rcdm = {"ratios": {"0.0": ratio, "0.9": ratio}, "machine": "x86_64", "machine_name": "test cpu", "seconds": 120.0,
             "msn": {"bundle": "msn-a", "decoder_steps": 2000}, "images": 100, "samples_per_image": 4,
-            "sampling_steps": 100, "sampler": "ddpm", "classifier": {"train_images": 1000, "accuracy_on_originals": 0.69},
+            "sampling_steps": 100, "sampler": "ddpm",
+            "classifier": {"train_images": 1000, "accuracy_on_originals": 0.69},
             "chance": 0.1, "cos_unrelated": 0.92, "grid": {"file": "rcdm_samples.png"}}
     assert "RCDM" not in render(tmp_path)
     (tmp_path / "rcdm_eval.json").write_text(json.dumps(rcdm))

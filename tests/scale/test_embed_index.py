@@ -140,7 +140,8 @@ def test_writer_publishes_readers_reload(bundle: Path, tmp_path: Path) -> None:
     readers: list[Server] = []
     try:
         w = writer.client()
-        assert w.post("/index/cat/add", json={"ids": [1, 2, 3], "vectors": [_vec(1), _vec(2), _vec(3)]}).status_code == 200
+        added = w.post("/index/cat/add", json={"ids": [1, 2, 3], "vectors": [_vec(1), _vec(2), _vec(3)]})
+        assert added.status_code == 200
         fit = w.post("/fewshot/fit", json={"name": "ab", "labels": ["a", "b", "a", "b"],
                                             "embeddings": [_vec(10), _vec(11), _vec(12), _vec(13)]})
         assert fit.status_code == 201, fit.text

@@ -38,10 +38,11 @@ def _strict(text: str):
     return json.loads(text, parse_constant=reject)
 
 
-# ---- defect 1: one search can exhaust the host's memory ---------------------------------------------------------------
+# ---- defect 1: one search can exhaust the host's memory --------------------------------------------------------------
 def test_hostile_searches_are_refused_and_memory_stays_bounded(srv: Server, http):
     for start in range(0, 10_000, 5_000):  # a 10k index ...
-        r = http.post("/index/big/add", json={"ids": list(range(start, start + 5_000)), "vectors": _vectors(5_000, start)})
+        r = http.post("/index/big/add",
+                      json={"ids": list(range(start, start + 5_000)), "vectors": _vectors(5_000, start)})
         assert r.status_code == 200, r.text
     blob = "x" * (60 * 1024)  # ... and one whose 50 ids carry 60 KB of metadata each (within max_metadata_bytes)
     r = http.post("/index/meta/add", json={"ids": list(range(50)), "vectors": _vectors(50, 7),
@@ -124,14 +125,16 @@ FIVE_HUNDREDS = {
                       422, "vectors"),
     "embedding_10e400": ("/fewshot/clf/predict", {"content": '{"embeddings": [[' + HUGE + "]]}", "headers": JSON},
                          422, "embeddings"),
-    "query_10e400": ("/index/big/search", {"content": '{"vectors": [[' + HUGE + "]]}", "headers": JSON}, 422, "vectors"),
+    "query_10e400": ("/index/big/search", {"content": '{"vectors": [[' + HUGE + "]]}", "headers": JSON},
+                     422, "vectors"),
     # keep_idx >= 2^63
     "keep_idx_2_63": ("/embed", {"files": {"image": IMG}, "data": {"mask": '{"keep_idx": [9223372036854775808]}'}},
                       422, "mask.keep_idx"),
     "keep_idx_2_64_json": ("/embed", {"json": {"image": __import__("base64").b64encode(IMG).decode(),
                                                "mask": {"keep_idx": [2**64, 1]}}}, 422, "mask.keep_idx"),
     "oip_keep_idx_2_63": ("/v2/models/msn/infer", _oip(PIXELS, {"name": "keep_idx", "shape": [1, 1],
-                                                                "datatype": "INT64", "data": [2**63]}), 400, "keep_idx"),
+                                                                "datatype": "INT64", "data": [2**63]}),
+                          400, "keep_idx"),
     # OIP shapes whose product overflows
     "oip_shape_overflow": ("/v2/models/msn/infer", _oip({**PIXELS, "shape": [2**40, 2**40, 2**40, 2**40]}), 413,
                            "pixel_values"),
@@ -199,7 +202,7 @@ def test_non_finite_results_are_refused_and_json_is_strict(http, classifier):
     assert len(probs) == 6 and all(0 <= p <= 1 for p in probs)
 
 
-# ---- defect 7: names ending in a newline ------------------------------------------------------------------------------
+# ---- defect 7: names ending in a newline -----------------------------------------------------------------------------
 def test_names_are_full_matches(srv: Server, http):
     r = http.post("/index/abc%0A", json={})
     assert r.status_code == 422 and r.json()["error"].startswith("name:")

@@ -38,7 +38,8 @@ def _oip(http, pixels: np.ndarray, parameters: dict | None = None, keep: np.ndar
     inputs = [{"name": "pixel_values", "shape": list(pixels.shape), "datatype": "FP32",
                "data": pixels.ravel().tolist()}]
     if keep is not None:
-        inputs.append({"name": "keep_idx", "shape": list(keep.shape), "datatype": "INT64", "data": keep.ravel().tolist()})
+        inputs.append({"name": "keep_idx", "shape": list(keep.shape), "datatype": "INT64",
+                       "data": keep.ravel().tolist()})
     r = http.post("/v2/models/msn/infer", json={"inputs": inputs, **({"parameters": parameters} if parameters else {})})
     assert r.status_code == 200, r.text
     out = r.json()["outputs"][0]

@@ -176,7 +176,7 @@ def test_unusual_images_are_converted_correctly(bundle_dir: Path):
     np.testing.assert_allclose(rot, preprocess_bytes(encode(upright), pre, max_pixels=10**6), atol=1e-6)
 
 
-# ---- bad inputs -------------------------------------------------------------------------------------------------------
+# ---- bad inputs ------------------------------------------------------------------------------------------------------
 def _bomb_png(w: int = 20000, h: int = 20000) -> bytes:
     """A tiny file whose header claims w x h pixels."""
     raw = bytearray(encode(np.zeros((1, 1, 3), np.uint8)))
@@ -308,7 +308,7 @@ def test_error_messages_name_the_problem(http):
     assert r.status_code == 422 and "images[1]" in r.json()["error"]
 
 
-# ---- few-shot ---------------------------------------------------------------------------------------------------------
+# ---- few-shot --------------------------------------------------------------------------------------------------------
 def test_fewshot_fit_predict_list_delete(http, local):
     tints = {"boot": (1.0, 0.2, 0.2), "sandal": (0.2, 1.0, 0.2), "shirt": (0.2, 0.2, 1.0)}
     labels = ["boot", "sandal", "shirt"] * 2
@@ -335,7 +335,7 @@ def test_fewshot_fit_predict_list_delete(http, local):
     assert http.get("/fewshot/byvec").status_code == 404
 
 
-# ---- FAISS indexes ------------------------------------------------------------------------------------------------------
+# ---- FAISS indexes ---------------------------------------------------------------------------------------------------
 def test_index_lifecycle(http, local):
     imgs = [encode(random_image(200 + i)) for i in range(5)]
     r = http.post("/index/catalog/add", files=[("images", d) for d in imgs],
@@ -374,7 +374,7 @@ def test_index_lifecycle(http, local):
     assert http.delete("/index/l2idx").status_code == 200 and http.get("/index/l2idx").status_code == 404
 
 
-# ---- Open Inference Protocol --------------------------------------------------------------------------------------------
+# ---- Open Inference Protocol -----------------------------------------------------------------------------------------
 def test_oip_with_tritonclient_binary_and_json(srv: Server, http, bundle_dir: Path):
     import tritonclient.http as tc
 
@@ -418,7 +418,7 @@ def test_oip_with_tritonclient_binary_and_json(srv: Server, http, bundle_dir: Pa
     client.close()
 
 
-# ---- metrics ----------------------------------------------------------------------------------------------------------
+# ---- metrics ---------------------------------------------------------------------------------------------------------
 def test_metrics_exposes_requests_queue_batches_tokens(http):
     http.post("/embed", files={"image": IMG}, data={"mask": '{"ratio": 0.5, "seed": 1}'})
     assert http.post("/embed", files={"image": b"junk"}).status_code == 422

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from tests.training.test_stall import TINY
 from training.config import Config, ConfigError
 from training.run.adapt import adapt_schedules, apply_to_config
 from training.run.length import RunLength, RunSchedule, build_schedules
@@ -18,8 +19,6 @@ from training.run.schedules import ResizedSchedules
 from training.run.stall import Adaptation
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "training"))
-from test_stall import TINY
 
 
 def _config() -> Config:

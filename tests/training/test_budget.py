@@ -224,12 +224,21 @@ def test_budget_schedule_that_was_right_is_left_alone():
 
 
 def test_sleeping_step_whose_duration_changes_ends_on_time():
-    """The same on the wall clock: a step that sleeps 4 ms, then 9 ms; the schedule assumed 5 ms for a 3 s budget."""
+    """The same on the wall clock: a step that sleeps 4 ms, then 9 ms; the schedule assumed 5 ms for a 3 s budget.
+    A shared machine can hold any one step far longer than it slept, and a step is never cut short, so the run may
+    miss by its longest step (measured here: one held step also misleads the rate it plans from) and no more."""
     started = time.monotonic()
+    longest = [0.0]
+
+    def step(i: int) -> None:
+        t0 = time.monotonic()
+        time.sleep(0.004 if t0 - started < 1.5 else 0.009)
+        longest[0] = max(longest[0], time.monotonic() - t0)
+
     schedule = _budget_schedule(3.0, 600, time.monotonic)
-    _run_loop(schedule, lambda i: time.sleep(0.004 if time.monotonic() - started < 1.5 else 0.009), time.monotonic)
+    _run_loop(schedule, step, time.monotonic)
     elapsed = time.monotonic() - started
-    assert elapsed == pytest.approx(3.0, rel=0.03), (elapsed, schedule.schedules.resizes)
+    assert abs(elapsed - 3.0) <= 0.03 * 3.0 + longest[0], (elapsed, longest[0], schedule.schedules.resizes)
 
 
 def test_stored_length_rebuilds_the_same_schedules():

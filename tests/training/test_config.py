@@ -106,7 +106,8 @@ def test_data_flag_builds_the_data_section(tmp_path):
     with pytest.raises(ConfigError, match="needs a length"):  # no --config: the run is planned (test_plan.py)
         resolve_config(parse_args(["--output-dir", "o", "--data", str(tmp_path / "images")]))
     cfg, _ = resolve_config(parse_args(["--output-dir", "o", "--config", str(recipe), "--data",
-                                        str(tmp_path / "images"), "--set", "data.source=folder", "model.image_size=32"]))
+                                        str(tmp_path / "images"), "--set", "data.source=folder",
+                                        "model.image_size=32"]))
     assert (cfg.data.source, cfg.model.image_size, cfg.model.patches_per_side) == ("folder", 32, 4)
     cfg, _ = resolve_config(parse_args(["--output-dir", "o", "--data", "synthetic", "--epochs", "1"]))
     assert (cfg.data.source, cfg.data.root) == ("synthetic", None)

@@ -151,7 +151,8 @@ def test_our_checkpoint_and_run_directory_warm_start_online_from_online(source):
         assert same_state(target.encoder, ours["target_encoder"]) and same_state(target.head, ours["target_head"])
         assert same_state(online.net.encoder, ours["encoder"]) and same_state(online.net.head, ours["head"])
         assert torch.equal(online.prototypes.detach(), ours["prototypes"])
-    assert not torch.equal(ours["encoder"]["blocks.0.attn.qkv.weight"], ours["target_encoder"]["blocks.0.attn.qkv.weight"])
+    qkv = "blocks.0.attn.qkv.weight"
+    assert not torch.equal(ours["encoder"][qkv], ours["target_encoder"][qkv])
 
 
 def test_bundle_warm_starts_the_trunk_and_says_the_head_is_fresh(source, tmp_path):
@@ -193,7 +194,8 @@ def test_hf_folder_from_transformers_save_pretrained(source, tmp_path):
     transformers = pytest.importorskip("transformers")
     source_encoder, _ = encoder_from_training_checkpoint(source)
     settings = kwargs_to_hf_config(encoder_kwargs(source_encoder))
-    config = transformers.ViTMSNConfig(**{k: v for k, v in settings.items() if k not in ("architectures", "model_type")})
+    config = transformers.ViTMSNConfig(**{k: v for k, v in settings.items()
+                                          if k not in ("architectures", "model_type")})
     torch.manual_seed(5)
     model = transformers.ViTMSNModel(config).eval()
     model.save_pretrained(tmp_path / "hf")

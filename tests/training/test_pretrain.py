@@ -65,7 +65,8 @@ def test_single_process_run_writes_checkpoint_and_metrics(tmp_path):
     assert (tmp_path / "config.yaml").exists()
     assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     # The online and target encoders move apart (EMA) and prototypes are trained.
-    assert not torch.equal(state["encoder"]["blocks.0.attn.qkv.weight"], state["target_encoder"]["blocks.0.attn.qkv.weight"])
+    qkv = "blocks.0.attn.qkv.weight"
+    assert not torch.equal(state["encoder"][qkv], state["target_encoder"][qkv])
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):

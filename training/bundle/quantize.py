@@ -254,7 +254,8 @@ def add_arguments(parser) -> None:
     group = parser.add_argument_group("int8 (--quantize int8)")
     group.add_argument("--quantize", choices=["int8"], help="also write model.int8.onnx, guarded against fp32")
     group.add_argument("--quantize-method", choices=METHODS, default="auto",
-                       help="dynamic, static or qdq (calibrated), or auto: each, keep the fastest that passes the guard")
+                       help="dynamic, static or qdq (calibrated), or auto: each, "
+                            "keep the fastest that passes the guard")
     group.add_argument("--calibration-data", help="fashion-mnist, synthetic or an image folder (train/ + val/); "
                        "default: the training run's data")
     group.add_argument("--calibration-root", help="directory of the Fashion-MNIST idx files")

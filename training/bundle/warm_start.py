@@ -139,7 +139,8 @@ def _read_official(path: Path, checkpoint: dict) -> WarmStartSource:
     target_head = official_head(checkpoint[key]) or None
     online_trunk, online_head = target_trunk, target_head
     if key == "target_encoder" and "encoder" in checkpoint:  # a full training save, not the released weights
-        online_trunk, online_head = official_to_ours(checkpoint["encoder"]), official_head(checkpoint["encoder"]) or None
+        online_trunk = official_to_ours(checkpoint["encoder"])
+        online_head = official_head(checkpoint["encoder"]) or None
     shape = describe_trunk(target_trunk)
     architecture = {k: v for k, v in shape.items() if k in _ARCH_KEYS}
     if shape["embed_dim"] in _HEADS_BY_WIDTH:  # the weights do not store it; the official factories fix it
@@ -185,7 +186,8 @@ def model_settings(source: WarmStartSource) -> dict[str, object]:
     head = source.target_head
     if head is not None and "fc1.weight" in head and "fc3.weight" in head:
         settings.update({"model.head_hidden_dim": int(head["fc1.weight"].shape[0]),
-                         "model.head_out_dim": int(head["fc3.weight"].shape[0]), "model.head_use_bn": "bn1.weight" in head})
+                         "model.head_out_dim": int(head["fc3.weight"].shape[0]),
+                         "model.head_use_bn": "bn1.weight" in head})
         if source.prototypes is not None:
             settings["model.num_prototypes"] = int(source.prototypes.shape[0])
     return settings

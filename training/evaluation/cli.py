@@ -11,6 +11,13 @@ and ``val/`` (or ``test/``) subfolders, each ``<class>/<image>``, or one labelle
 lines, or CSV ``path,label``) for the training images with ``--test-data`` naming the test images the same way:
 
     msn-eval knn --bundle B --data train.csv --test-data test.csv [--image-root DIR]
+
+``--untrained [SEED]`` (every subcommand, any backend but pixels) scores the untrained control instead of the
+bundle's weights: a random init (``torch.manual_seed(SEED)``, default 0) of the bundle's architecture, exported with
+its preprocessing and feature (``training/evaluation/untrained.py``, kept under ``CACHE_DIR/untrained/``), measured
+the same way; what MSN's training added is the difference:
+
+    msn-eval lowshot --bundle bundles/demo --data fashion-mnist --shots 1 2 5 --splits 3 --untrained
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +56,7 @@ from training.evaluation.knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_accuracy
 from training.evaluation.linear_probe import train_linear_probe
 from training.evaluation.lowshot import DEFAULT_LAMBD, LAMBD_SWEEP, LowShotResult, summarize
 from training.evaluation.robustness import DEFAULT_RATIOS, masked_lowshot, similarity_by_ratio
+from training.evaluation.untrained import untrained_twin
 
 REPO_SPLITS = split_files.REPO_SPLITS
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "msn-eval"
@@ -61,6 +70,9 @@ class Context:
     embedder: object
     preprocessing: dict
     cache_tag: str
+    weights: str = "trained"  # or "untrained (random init, seed N)"
+    untrained_bundle: Path | None = None  # the twin that was measured instead of --bundle
+    _scratch: object = None  # keeps a --no-cache twin's temporary directory alive
 
     def dataset(self, split: str):
         """``split`` is ``train`` or ``test``; decoded at the resize size."""
@@ -126,10 +138,25 @@ def make_context(args: argparse.Namespace) -> Context:
         import torch
 
         torch.set_num_threads(args.threads)
-    embedder = load_embedder(args.bundle, args.backend, feature=args.feature, device=args.device,
-                             threads=args.threads)
-    tag = "pixels" if args.backend == "pixels" else bundle_fingerprint(args.bundle)
-    return Context(args, embedder, preprocessing, tag)
+    if args.untrained is None:
+        embedder = load_embedder(args.bundle, args.backend, feature=args.feature, device=args.device,
+                                 threads=args.threads)
+        if args.backend == "pixels":
+            return Context(args, embedder, preprocessing, "pixels", weights="none (raw pixels)")
+        return Context(args, embedder, preprocessing, bundle_fingerprint(args.bundle))
+    if args.backend == "pixels":
+        raise SystemExit("msn-eval: --untrained scores a random-init trunk; raw pixels have no weights")
+    # the twin: its own bundle directory, so its own fingerprint and embedding-cache key (and a prefix that says so);
+    # with --no-cache it lives in a temporary directory for this run
+    scratch = tempfile.TemporaryDirectory(prefix="msn-eval-untrained-") if args.no_cache else None
+    try:
+        twin = untrained_twin(args.bundle, args.untrained, scratch.name if scratch else args.cache_dir)
+    except RuntimeError as e:
+        raise SystemExit(f"msn-eval: {e}") from None
+    embedder = load_embedder(twin, args.backend, feature=args.feature, device=args.device, threads=args.threads)
+    tag = f"untrained-seed{args.untrained}:{bundle_fingerprint(twin)}"
+    return Context(args, embedder, preprocessing, tag, weights=f"untrained (random init, seed {args.untrained})",
+                   untrained_bundle=None if scratch else twin, _scratch=scratch)
 
 
 # --------------------------------------------------------------------------------------------------- subsets
@@ -281,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--max-test", type=int, default=0, help="use the first N test images (0: all)")
     common.add_argument("--synthetic-size", type=int, default=512, help="training images of --data synthetic")
     common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--untrained", type=int, nargs="?", const=0, metavar="SEED",
+                        help="score the untrained control instead: the bundle's architecture and preprocessing, "
+                             "weights a random init under torch.manual_seed(SEED) (default 0); same feature and "
+                             "protocol")
     common.add_argument("--json", type=Path, help="also write the results here")
     common.add_argument("--no-progress", action="store_true")
 
@@ -327,12 +358,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, IndexError, KeyError) as error:
         raise SystemExit(f"msn-eval {args.command}: error: {error}") from None
     elapsed = time.perf_counter() - start
+    if args.untrained is not None:
+        print(f"untrained control: random init (seed {args.untrained}) of {args.bundle}'s architecture and "
+              f"preprocessing; {args.backend}, {ctx.embedder.feature}")
     print(format_table(rows))
-    print(f"{args.command}: {args.bundle} on {args.data} ({args.backend}, {ctx.embedder.feature}) "
+    weights = "" if args.untrained is None else f", {ctx.weights}"
+    print(f"{args.command}: {args.bundle} on {args.data} ({args.backend}, {ctx.embedder.feature}{weights}) "
           f"in {elapsed:.1f} s", file=sys.stderr)
     if args.json:
         report = {"command": args.command, "bundle": str(args.bundle), "data": args.data, "test_data": args.test_data,
-                  "backend": args.backend, "feature": ctx.embedder.feature, "seconds": elapsed, "results": rows}
+                  "backend": args.backend, "feature": ctx.embedder.feature, "weights": ctx.weights,
+                  "untrained_seed": args.untrained, "seconds": elapsed, "results": rows}
+        if ctx.untrained_bundle is not None:
+            report["untrained_bundle"] = str(ctx.untrained_bundle)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -52,7 +52,10 @@ CACHE_VERSION = 1
 
 
 class Embedder(Protocol):
-    """Maps normalised images ``(B,3,H,W)`` and kept-patch indices ``(B,K)`` (``-1`` = padding) to features ``(B,D)``."""
+    """Maps normalised images ``(B,3,H,W)`` and kept-patch indices ``(B,K)`` to features ``(B,D)``.
+
+    ``-1`` in the indices is padding.
+    """
 
     backend: str
     feature: str

@@ -67,7 +67,8 @@ def build_networks(cfg: ModelConfig) -> tuple[MSNOnline, ProjectedEncoder]:
         named = CONV_STEM_ARCHS.get(cfg.arch, {}).get("embed_dim") or ARCHS.get(cfg.arch, (None,))[0]
         embed_dim = overrides.get("embed_dim") or named
         if embed_dim is None:
-            raise ValueError(f"unknown architecture {cfg.arch!r}; expected one of {', '.join([*ARCHS, *CONV_STEM_ARCHS])}")
+            raise ValueError(f"unknown architecture {cfg.arch!r}; "
+                             f"expected one of {', '.join([*ARCHS, *CONV_STEM_ARCHS])}")
         overrides["conv_stem_channels"], overrides["conv_stem_strides"] = resolve_conv_stem(
             embed_dim, cfg.patch_size, cfg.conv_stem_channels, cfg.conv_stem_strides)
     encoder = build_encoder(

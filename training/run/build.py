@@ -111,8 +111,8 @@ def build_run(cfg: Config, info: dist.DistInfo) -> Run:
     if cfg.run.compile:
         model = torch.compile(model)
     precision = resolve_precision(cfg.run.precision, device)
-    return Run(cfg, info, loader, sampler, len(loader), len(dataset), augment, online, target, model, criterion, optimizer,
-               mask_generator, precision, autocast_factory(precision, device), mean, std)
+    return Run(cfg, info, loader, sampler, len(loader), len(dataset), augment, online, target, model, criterion,
+               optimizer, mask_generator, precision, autocast_factory(precision, device), mean, std)
 
 
 def build_augment(cfg: Config, mean: list[float], std: list[float], device: torch.device) -> MultiViewAugment:

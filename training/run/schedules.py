@@ -146,10 +146,10 @@ class Stretch:
 class ResizedSchedules:
     """``base`` (the schedules over the first length) after ``resizes``: ``(step, new total)`` pairs in order.
 
-    A resize at step ``s`` to ``T`` steps maps the real steps from ``max(s, warm-up)`` to ``T - 1`` onto what
-    was left of the base schedules (up to their last step), linearly: the learning-rate and weight-decay cosines and the EMA ramp stretch or
-    shrink to end on step ``T`` and stay continuous. The values are a pure function of the step and the resize
-    list, which the checkpoint stores, so a resumed run computes the same values.
+    A resize at step ``s`` to ``T`` steps maps the real steps from ``max(s, warm-up)`` to ``T - 1`` onto what was left
+    of the base schedules (up to their last step), linearly: the learning-rate and weight-decay cosines and the EMA ramp
+    stretch or shrink to end on step ``T`` and stay continuous. The values are a pure function of the step and the
+    resize list, which the checkpoint stores, so a resumed run computes the same values.
     """
 
     base: Schedules
