@@ -94,7 +94,7 @@ demo: setup data
 	echo "  curl -F image=@$(DEMO_RUN)/example.png localhost:$(DEMO_PORT)/embed"; \
 	echo "  curl -F image=@$(DEMO_RUN)/example.png -F 'mask={\"ratio\": 0.7, \"seed\": 1}' localhost:$(DEMO_PORT)/embed"; \
 	$(VENV)/bin/msn-visualize train --bundle $(DEMO_BUNDLE) --data fashion-mnist --config configs/rcdm_fmnist_28.yaml \
-		--output-dir $(DEMO_DECODER) --resume --set optim.max_steps=$(DEMO_DECODER_STEPS) \
+		--output-dir $(DEMO_DECODER)/cls --resume --set optim.max_steps=$(DEMO_DECODER_STEPS) \
 		--set optim.max_minutes=$(DEMO_DECODER_MINUTES) --set run.progress_bar=false \
 		> $(DEMO_RUN)/decoder.log 2>&1 & train=$$!; \
 	echo; \
@@ -103,8 +103,8 @@ demo: setup data
 	echo "  works from its first checkpoint on, and the page loads each new one by itself"; \
 	echo "  its Labelling tab: folder $(DEMO_RUN)/unlabelled, classes e.g. top, trouser, dress, coat, shoe, bag"; \
 	echo "Serving $(DEMO_BUNDLE) on http://127.0.0.1:$(DEMO_PORT); Ctrl-C stops both."; \
-	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER) --port $(DEMO_APP_PORT) \
-		--serve-url http://127.0.0.1:$(DEMO_PORT)
+	$(VENV)/bin/msn-visualize app --bundle $(DEMO_BUNDLE) --decoder $(DEMO_DECODER)/cls --decoder $(DEMO_DECODER) \
+		--port $(DEMO_APP_PORT) --serve-url http://127.0.0.1:$(DEMO_PORT)
 
 # The suite on every core, at most 4 workers (each imports torch; more add memory, not speed, to a small machine).
 # A module's tests stay on one worker, in order (--dist loadscope): they share its server and what earlier tests made.

@@ -40,12 +40,15 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _gpu() -> str | None:
-    """The first CUDA device's name: torch's view when torch is here, else nvidia-smi's (the serving image)."""
-    try:
-        import torch
-    except ImportError:
-        torch = None
+def _gpu(use_torch: bool = True) -> str | None:
+    """The first CUDA device's name: torch's view when torch is here (and ``use_torch``), else nvidia-smi's (the
+    serving image)."""
+    torch = None
+    if use_torch:
+        try:
+            import torch
+        except ImportError:
+            pass
     if torch is not None:
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     if shutil.which("nvidia-smi"):
@@ -55,25 +58,34 @@ def _gpu() -> str | None:
     return None
 
 
-def machine() -> dict[str, Any]:
+def machine(torch_info: bool = True) -> dict[str, Any]:
     """The machine a figure is measured on: CPU model, cores, the SIMD/matrix flags that decide bf16 and int8 speed,
     torch's kernel level, the GPU and the library versions. Keys ``cpu``, ``cpu_count``, ``cores_visible``, ``gpu``
-    and ``torch`` are the ones older results files use too."""
+    and ``torch`` are the ones older results files use too. ``torch_info=False``, for a script that never uses
+    torch (importing it costs seconds of CPU): torch's installed version only, the GPU from nvidia-smi."""
     from msn_core.hardware import cpu_info
 
     cpu = cpu_info().describe()
     info: dict[str, Any] = {"cpu": cpu["cpu_model"], "cpu_count": cpu["cores"],
                             "cores_visible": len(os.sched_getaffinity(0)), "cpu_flags": cpu["cpu_flags"],
                             "python": platform.python_version(), "platform": platform.platform()}
-    try:
-        import torch
+    if torch_info:
+        try:
+            import torch
 
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    except ImportError:
-        pass
-    info["gpu"] = _gpu()
+            info["torch"] = torch.__version__
+            info["torch_threads"] = torch.get_num_threads()
+            info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        except ImportError:
+            pass
+    else:
+        import importlib.metadata
+
+        try:
+            info["torch"] = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    info["gpu"] = _gpu(torch_info)
     for name in ("onnxruntime", "faiss"):
         if (version := _version(name)) is not None:
             info[name] = version
@@ -96,7 +108,8 @@ def describe_machine(m: dict | str) -> str:
 def save_json(path: Path, result: dict) -> dict:
     """Write a result atomically (a crash leaves the old file or the new one), with the machine attached when the
     script has not recorded it already, and say where."""
-    result.setdefault("machine", machine())
+    if "machine" not in result:  # not setdefault: machine() imports torch, seconds of CPU for a torch-free script
+        result["machine"] = machine()
     atomic_write_json(path, result)
     print(f"wrote {path}")
     return result

@@ -52,7 +52,8 @@ FLAGS: list[tuple[str, type, str]] = [
     ("http-workers", str, ("HTTP worker processes handing decoded crops to this engine process in shared memory: N, "
                            "auto (from the engine and the cores; /readyz says what and why) or 0 (default: one "
                            "process serves HTTP)")),
-    ("http-worker-slots", int, "crop slots per HTTP worker process (images in flight; beyond, 503 + Retry-After)"),
+    ("http-worker-slots", int, "image slots per HTTP worker process, at least --max-images-per-request (images in "
+                               "flight; beyond, 503 + Retry-After)"),
     ("max-queued-fits", int, "fits waiting for a worker; beyond that 503 + Retry-After"),
     ("fit-timeout-s", float, "stop a fit after this many seconds (422)"),
     ("fit-threads", int, "threads of each fit"),

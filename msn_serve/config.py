@@ -92,8 +92,9 @@ class Settings(BaseSettings):
     # the front end of a fast engine runs on every core instead of one interpreter's.
     http_workers: str = Field("0", description="HTTP processes: N, auto (decided from the engine and the cores; "
                                               "/readyz says why) or 0 (one process serves HTTP)")
-    http_worker_slots: int = Field(256, ge=1, le=65535, description="crop slots in shared memory per HTTP process "
-                                                                     "(images in flight; beyond, 503 + Retry-After)")
+    http_worker_slots: int = Field(256, ge=1, le=65535, description="image slots in shared memory per HTTP process, "
+                                                                     "at least max_images_per_request (images in "
+                                                                     "flight; beyond, 503 + Retry-After)")
     max_queued_fits: int = Field(4, ge=0, description="fits waiting for a worker before new ones get 503")
     fit_timeout_s: float = Field(300.0, gt=0.0, description="a fit running longer is stopped (422)")
     # Connections (uvicorn): slow or idle clients cannot hold the server's sockets forever.

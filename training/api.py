@@ -24,7 +24,7 @@ from training.distributed import DistInfo, barrier, cleanup, init_distributed
 from training.masking import as_keep_tensor, encoder_keep_args
 from training.model.load import load_encoder
 from training.model.msn import ema_update
-from training.model.readout import feature_spec, read_feature
+from training.model.readout import feature_spec, read_feature, read_features
 from training.run.precision import autocast_factory, resolve_precision
 from training.run.state import Progress, batches_from, restore_progress, save_progress
 from training.views import eval_transform
@@ -51,6 +51,7 @@ __all__ = [
     "load_checkpoint",
     "load_encoder",
     "read_feature",
+    "read_features",
     "read_raw_config",
     "resolve_precision",
     "restore_progress",

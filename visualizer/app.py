@@ -1,8 +1,9 @@
 """Gradio app: mask an image, sample from the RCDM decoder, see what the MSN representation keeps.
 
-Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/compare``, ``/neighbours``) so the
-app is also an API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``; the ``/sample`` and
-``/compare`` endpoints rebuild random and focal masks from their parameters, so they are self-contained for API users.
+Every event has an ``api_name`` (``/load``, ``/mask``, ``/click``, ``/sample``, ``/figure``, ``/compare``,
+``/neighbours``) so the app is also an API for ``gradio_client``. The per-session keep bitmap lives in ``gr.State``;
+the ``/sample``, ``/figure`` and ``/compare`` endpoints rebuild random and focal masks from their parameters, so they
+are self-contained for API users.
 The random and focal modes are ``/embed`` mask specifications resolved by :mod:`msn_core.masks` (the status line shows
 the specification), so ratio 0.7 with seed 1 keeps the same patches here as in ``/embed``, OIP and ``msn-eval``.
 Sampling runs through Gradio's queue with a bounded concurrency. Outside localhost, protect it with a login
@@ -12,7 +13,10 @@ The app offers only what the decoder was trained for: the guidance slider appear
 records condition dropout (otherwise guidance is fixed at 1 and ``/sample`` refuses any other scale), and the header
 names the decoder's training step and the quality figure its run measured (:mod:`visualizer.quality`). A decoder
 run directory is followed as it trains (:mod:`visualizer.live`): the app opens before the first checkpoint, sampling
-says the decoder is still training until one lands, and the header and the samples follow each new one. Started
+says the decoder is still training until one lands, and the header and the samples follow each new one. The
+paper's figure (:mod:`visualizer.figure`: original | masked input | samples, and a line saying what varies and what
+stays) draws one row per decoder when the app has several on one bundle (``--decoder`` repeated, or a directory of
+runs), the CLS decoder first and each row named by what it is conditioned on. Started
 without a decoder, it offers the masks, the kept patches and the nearest neighbours from a running ``msn-serve``
 (``/neighbours``, :mod:`visualizer.neighbours`, there with a decoder too); the sampling controls and endpoints are
 then absent, and a note says how to train a decoder.
@@ -26,7 +30,8 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from PIL import Image
 from msn_core.masks import keep_from_bitmap
 from msn_core.optional import require
 from visualizer.features import FrozenEncoder
+from visualizer.figure import figure_row, paper_figure
 from visualizer.label_tab import build_label_tab
 from visualizer.live import DecoderNotReady, LiveDecoder
 from visualizer.masks import MODES, keep_bitmap, mask_spec
@@ -45,7 +51,7 @@ from visualizer.neighbours import build_neighbours_panel
 from visualizer.pipeline import RCDMPipeline, decoder_summary, load_image
 from visualizer.render import masked_view, patch_grid_image, to_hwc, upscale
 
-__all__ = ["NO_DECODER", "build_app", "decoder_summary", "example_images", "launch", "password_check"]
+__all__ = ["NO_DECODER", "build_app", "decoder_runs", "decoder_summary", "example_images", "launch", "password_check"]
 
 log = logging.getLogger("msn.visualize")
 SKIMAGE_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry")
@@ -167,10 +173,25 @@ class Session:
         return upscale(masked_view(view, keep), SHOW_PX), [upscale(to_hwc(s), size) for s in samples]
 
 
+def _ready(decoder: RCDMPipeline | LiveDecoder) -> RCDMPipeline | None:
+    """A decoder's pipeline as of now: None while a followed run has no checkpoint yet."""
+    return decoder if isinstance(decoder, RCDMPipeline) else decoder.current()
+
+
+def _summary(decoder: RCDMPipeline | LiveDecoder) -> str:
+    return decoder.summary() if isinstance(decoder, LiveDecoder) else decoder_summary(decoder)
+
+
+def paper_view(decoder: RCDMPipeline | LiveDecoder) -> bool:
+    """Whether a decoder shows what the paper's figure shows: an RCDM decoder on a vector, not on a token map."""
+    return decoder.config.model.kind == "rcdm" and decoder.encoder.layout.side == 0
+
+
 def _sampling_ui(session: Session, primary: RCDMPipeline | LiveDecoder, mask_inputs: list,
-                 status: gr.Markdown) -> None:
-    """The decoder's controls, the Samples and Side by side tabs and their ``/sample`` and ``/compare`` events; a
-    :class:`LiveDecoder` is asked for its newest checkpoint at every request."""
+                 status: gr.Markdown, others: list[RCDMPipeline | LiveDecoder] | tuple = ()) -> None:
+    """The decoder's controls, the Samples, paper's figure and Side by side tabs and their ``/sample``, ``/figure``
+    and ``/compare`` events; a :class:`LiveDecoder` is asked for its newest checkpoint at every request. The figure
+    shows ``others`` (decoders on the same bundle) in rows below the primary's, each named."""
     cfg = primary.config.diffusion
 
     def decoder() -> RCDMPipeline:
@@ -193,6 +214,17 @@ def _sampling_ui(session: Session, primary: RCDMPipeline | LiveDecoder, mask_inp
         with gr.Row():
             masked = gr.Image(label="Masked input", interactive=False, elem_id="masked", scale=1)
             gallery = gr.Gallery(label="Samples", columns=4, elem_id="samples", scale=3)
+    with gr.Tab("The paper's figure", elem_id="tab-figure"):
+        gr.Markdown("As in MSN's Fig. 1 (after RCDM): the original, the masked input, and samples from the masked "
+                    "image's representation. What the samples share is what the representation keeps; what differs "
+                    "between them is what it discards." + (" One row per decoder, each named below." if others
+                                                          else ""))
+        with gr.Row():
+            figure_ratio = gr.Slider(0.0, 0.95, value=0.7, step=0.05, label="Mask ratio (random, with the mask seed)",
+                                     elem_id="figure-ratio")
+            figure_btn = gr.Button("Make the figure", variant="primary", elem_id="figure-btn")
+        figure_img = gr.Image(label="Original | masked input | samples", interactive=False, elem_id="figure")
+        figure_note = gr.Markdown(elem_id="figure-note")
     with gr.Tab("Side by side"):
         kinds = ["two ratios"] + (["two bundles"] if session.compare_pipe is not None else [])
         kind = gr.Radio(kinds, value="two ratios", label="Compare")
@@ -232,25 +264,57 @@ def _sampling_ui(session: Session, primary: RCDMPipeline | LiveDecoder, mask_inp
                                 n, steps_, guidance_, s)
         return (*outs, f"A: ratio {ra:.2f}, B: ratio {rb:.2f}")
 
+    def figure(path, ratio_, seed_, n, steps_, guidance_, sample_seed_):
+        view = session.view(path)
+        keep = session.keep_bitmap("random", ratio_, seed_, 0.5, None)
+        if not keep.any():
+            raise gr.Error("Every patch is masked: lower the mask ratio.")
+        image = torch.from_numpy(view).permute(2, 0, 1).unsqueeze(0).contiguous()
+        rows, waiting = [], []
+        for n_decoder, dec in enumerate([primary, *others]):
+            pipe = decoder() if n_decoder == 0 else _ready(dec)
+            if pipe is None:
+                waiting.append(dec.kind)
+                continue
+            try:  # the primary follows the slider (or refuses it); another decoder that cannot guide samples at 1
+                scale = pipe.guidance(guidance_ if n_decoder == 0 or pipe.guidance_trained else 1.0)
+            except ValueError as exc:
+                raise gr.Error(f"Bad guidance: {exc}") from None
+            rows.append(figure_row(pipe, image, keep_from_bitmap(keep), num_samples=int(n), steps=int(steps_),
+                                   guidance=scale, seed=int(sample_seed_)))
+        picture, note = paper_figure(rows, view, keep)
+        for kind in waiting:
+            note += f"  \n{kind}: still training, no checkpoint yet."
+        return picture, note
+
     sample_inputs = mask_inputs + [num_samples, steps, guidance, sample_seed]
     sample_btn.click(sample, sample_inputs, [masked, gallery, status], api_name="sample")
+    figure_btn.click(figure, [mask_inputs[0], figure_ratio, mask_inputs[3], num_samples, steps, guidance,
+                              sample_seed], [figure_img, figure_note], api_name="figure")
     compare_btn.click(side_by_side, [mask_inputs[0], kind, ratio_a, ratio_b] + sample_inputs[1:],
                       [masked_a, gallery_a, masked_b, gallery_b, status], api_name="compare")
 
 
 def build_app(primary: RCDMPipeline | LiveDecoder | FrozenEncoder, compare: RCDMPipeline | None = None, *,
-              examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
+              examples: list[Path] | None = None, serve_url: str = "http://127.0.0.1:8000",
+              others: list[RCDMPipeline | LiveDecoder] | tuple = ()) -> gr.Blocks:
     """The app on a decoder (an ``RCDMPipeline``, or a :class:`LiveDecoder` still training), or on a bundle's encoder
-    alone: no sampling (module docstring)."""
+    alone: no sampling (module docstring). ``others``: more decoders on the same bundle, named in the header and
+    drawn below the primary's row in the paper's figure."""
     pipe = primary if isinstance(primary, (RCDMPipeline, LiveDecoder)) else None
     if compare is not None and not isinstance(primary, RCDMPipeline):
         raise ValueError("comparing decoders needs a trained decoder for the primary bundle too")
     encoder = pipe.encoder if pipe is not None else primary
     session = Session(encoder, primary if isinstance(primary, RCDMPipeline) else None, compare)
+    if pipe is None and others:
+        raise ValueError("more decoders need a primary decoder")
+
+    def header() -> str:
+        text = "  \n".join(_summary(d) for d in [pipe, *others])
+        return text + (f"  \nComparison bundle {compare.name}: {decoder_summary(compare)}" if compare else "")
+
     if pipe is not None:
-        about = primary.summary() if isinstance(primary, LiveDecoder) else decoder_summary(pipe)
-        if compare is not None:
-            about += f"  \nComparison bundle {compare.name}: {decoder_summary(compare)}"
+        about = header()
         intro = ("An RCDM diffusion decoder samples images from the frozen embedding of "
                  f"bundle `{encoder.model_id}`. Mask patches, then sample: what stays the same across samples "
                  "is what the representation encodes.")
@@ -263,8 +327,8 @@ def build_app(primary: RCDMPipeline | LiveDecoder | FrozenEncoder, compare: RCDM
                     elem_id="tab-rcdm"):
             gr.Markdown(f"## What does the MSN representation keep?\n{intro}")
             info = gr.Markdown(about, elem_id="decoder-info")
-            if isinstance(primary, LiveDecoder):  # the header follows the checkpoints as they land
-                gr.Timer(10.0).tick(primary.summary, None, info, api_visibility="private")
+            if any(isinstance(d, LiveDecoder) for d in [primary, *others]):  # the header follows the checkpoints
+                gr.Timer(10.0).tick(header, None, info, api_visibility="private")
             clicked = gr.State(None)
             with gr.Row():
                 with gr.Column(scale=1):
@@ -283,7 +347,7 @@ def build_app(primary: RCDMPipeline | LiveDecoder | FrozenEncoder, compare: RCDM
             status = gr.Markdown(elem_id="status")
             mask_inputs = [image, mode, ratio, mask_seed, focal, clicked]
             if pipe is not None:
-                _sampling_ui(session, pipe, mask_inputs, status)
+                _sampling_ui(session, pipe, mask_inputs, status, others)
             build_neighbours_panel(serve_url, mask_inputs, lambda path, *mask: session.keep_bitmap(*mask))
         with gr.Tab("Labelling", elem_id="tab-labelling"):
             build_label_tab(serve_url)
@@ -347,28 +411,57 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def launch(bundle: str | Path, decoder: str | Path | None = None, *, compare: tuple[Path, Path] | None = None,
+def decoder_runs(path: str | os.PathLike, wait_s: float = 0.0) -> list[Path]:
+    """The decoder runs ``--decoder PATH`` names: a checkpoint file, or a run directory (one holding
+    ``checkpoint.pt`` or ``config.yaml``), and each sub-directory of ``PATH`` that is a run: a directory holding
+    several runs (``runs/demo-rcdm28/{cls,tokenmap}``) shows them all. Where there is none yet (``make demo`` starts
+    the app while its decoder's run is being created), they are waited for up to ``wait_s``; then ``PATH`` itself
+    stands for a run still to be written."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+
+    def is_run(run: Path) -> bool:
+        return (run / "checkpoint.pt").is_file() or (run / "config.yaml").is_file()
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        subs = sorted(p for p in path.iterdir() if p.is_dir() and is_run(p)) if path.is_dir() else []
+        found = ([path] if is_run(path) else []) + subs
+        if found or time.monotonic() >= deadline:
+            return found or [path]
+        time.sleep(0.5)
+
+
+def launch(bundle: str | Path, decoder: str | Path | Sequence[str | Path] | None = None, *,
+           compare: tuple[Path, Path] | None = None,
            host: str = "127.0.0.1", port: int = 7860, device: str = "cpu", concurrency: int = 2,
            block: bool = True, auth: Callable[[str, str], bool] | None = None,
            serve_url: str = "http://127.0.0.1:8000") -> gr.Blocks:
     """Load the pipelines (the bundle's encoder alone without ``decoder``), write the examples, start the server
-    (``block=False`` returns once it listens). ``auth`` (see :func:`password_check`) puts a login page in front of
-    the app and its API."""
+    (``block=False`` returns once it listens). ``decoder``: one path or several (:func:`decoder_runs` each); the
+    first decoder that shows the paper's view (:func:`paper_view`, the CLS decoder) is the primary, the others are
+    drawn beside it in the figure. ``auth`` (see :func:`password_check`) puts a login page in front of the app and
+    its API."""
     if auth is None and not _is_loopback(host):
         log.warning("msn-visualize app is listening on %s without a login: anyone who can reach it can use it "
                     "(--auth-file or --api-key-file adds one)", host)
     if decoder is None:
         log.info("no --decoder: the app offers masks and nearest neighbours, no sampling")
+    paths = [] if decoder is None else [decoder] if isinstance(decoder, (str, os.PathLike)) else list(decoder)
+    runs = list(dict.fromkeys(run.resolve() for path in paths for run in decoder_runs(path, wait_s=60.0)))
     primary: RCDMPipeline | LiveDecoder | FrozenEncoder
-    if decoder is None:
-        primary = FrozenEncoder(bundle, device=device)
-    elif compare is not None or Path(decoder).is_file():
-        primary = RCDMPipeline.from_dirs(bundle, decoder, device=device)
-    else:  # a run directory: followed as it trains (waits for its config.yaml, not for a checkpoint)
-        primary = LiveDecoder(bundle, decoder, device=device)
+    decoders: list[RCDMPipeline | LiveDecoder] = []
+    for run in runs:  # a run directory is followed as it trains (waits for its config.yaml, not for a checkpoint)
+        fixed = compare is not None or run.is_file()
+        decoders.append(RCDMPipeline.from_dirs(bundle, run, device=device) if fixed
+                        else LiveDecoder(bundle, run, device=device))
+    decoders.sort(key=lambda d: not paper_view(d))  # stable: the CLS decoder first, the rest in the given order
+    primary = decoders[0] if decoders else FrozenEncoder(bundle, device=device)
     second = RCDMPipeline.from_dirs(*compare, device=device) if compare else None
     examples_dir = Path(tempfile.gettempdir()) / f"msn-visualize-examples-{os.getuid()}"  # reused across launches
-    demo = build_app(primary, second, examples=example_images(examples_dir), serve_url=serve_url)
+    demo = build_app(primary, second, examples=example_images(examples_dir), serve_url=serve_url,
+                     others=decoders[1:])
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.launch(server_name=host, server_port=port, allowed_paths=[str(examples_dir)], auth=auth,
                 auth_message="msn-visualize: log in (user:password from --auth-file, or any user with the API key)",

@@ -5,6 +5,7 @@
     msn-visualize sample --bundle B --decoder runs/rcdm --image shoe.png --mask-ratio 0.7 --num-samples 8 --out grid.png
     msn-visualize sample ... --mask '{"ratio": 0.7, "seed": 1}'   # any /embed mask specification
     msn-visualize app    --bundle B --decoder runs/rcdm --port 7860
+    msn-visualize app    --bundle B --decoder runs/rcdm/cls --decoder runs/rcdm/tokenmap   # or --decoder runs/rcdm
     msn-visualize app    --bundle B --serve-url http://127.0.0.1:8000    # no decoder: masks and nearest neighbours
     msn-visualize app    ... --host 0.0.0.0 --api-key-file key.txt     # outside localhost: require a login
 """
@@ -23,6 +24,16 @@ from pathlib import Path
 from msn_core.optional import missing
 
 __all__ = ["main"]
+
+
+class _Decoders(argparse.Action):
+    """``--decoder`` repeated: the first one is ``decoder`` (one path, as before), the next ones ``more_decoders``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is None:
+            setattr(namespace, self.dest, values)
+        else:
+            namespace.more_decoders = [*getattr(namespace, "more_decoders", []), values]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,8 +77,10 @@ def _parser() -> argparse.ArgumentParser:
 
     app = sub.add_parser("app", help="start the Gradio app")
     app.add_argument("--bundle", type=Path, required=True)
-    app.add_argument("--decoder", type=Path, help="a decoder run (msn-visualize train); without one the app offers "
-                                                  "masks and nearest neighbours, no sampling")
+    app.add_argument("--decoder", type=Path, action=_Decoders,
+                     help="a decoder run (msn-visualize train), or a directory of runs; again for another decoder on "
+                          "the bundle, shown beside the first (the CLS decoder leads). Without one the app offers "
+                          "masks and nearest neighbours, no sampling")
     app.add_argument("--compare-bundle", type=Path, help="a second bundle for the side-by-side mode")
     app.add_argument("--compare-decoder", type=Path, help="the decoder trained on --compare-bundle")
     app.add_argument("--host", default="127.0.0.1")
@@ -167,7 +180,8 @@ def _app(args: argparse.Namespace) -> int:
         auth = password_check(args.auth_file, args.api_key_file)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"msn-visualize app: {exc}") from None
-    launch(args.bundle, args.decoder, compare=(args.compare_bundle, args.compare_decoder) if args.compare_bundle
+    decoders = None if args.decoder is None else [args.decoder, *getattr(args, "more_decoders", [])]
+    launch(args.bundle, decoders, compare=(args.compare_bundle, args.compare_decoder) if args.compare_bundle
            else None, host=args.host, port=args.port, device=args.device, concurrency=args.concurrency, auth=auth,
            serve_url=args.serve_url)
     return 0

@@ -13,16 +13,22 @@ from typing import Any
 
 import yaml
 
+from msn_core.features import FeatureError, parse_feature
 from msn_core.sources import FILE_SOURCES, SOURCES
 from training.api import ConfigError, build_dataclass, read_raw_config
 
-__all__ = ["MAX_GUIDANCE", "ConfigError", "RCDMConfig", "config_from_dict", "dump_config", "load_config"]
+__all__ = ["FEATURE_ALIASES", "MAX_GUIDANCE", "ConfigError", "RCDMConfig", "config_from_dict", "dump_config",
+           "load_config", "recorded_config"]
 
 MAX_GUIDANCE = 10.0  # classifier-free guidance scales beyond this only saturate samples
+FEATURE_ALIASES = {"token_map": "cls_patch_tokens"}  # cond.feature names for what a feature is used as
 
 
 @dataclass
 class ModelConfig:
+    # rcdm: the diffusion decoder. regression: a plain decoder trained with MSE from the same feature, one output
+    # per condition (visualizer.regression; faithful and blurry: the decoder harness's reference)
+    kind: str = "rcdm"
     image_size: int = 32  # resolution the decoder generates
     channels: int = 3  # 1 for grey data (Fashion-MNIST): one generated channel, shown as grey RGB
     block_out_channels: list[int] = field(default_factory=lambda: [64, 128, 128])
@@ -74,7 +80,12 @@ class DataConfig:
 
 @dataclass
 class CondConfig:
-    backend: str = "torch"  # torch (encoder.safetensors) | onnx (model.onnx)
+    # What the decoder is conditioned on, read from the bundle's encoder in the same forward pass as the feature it
+    # serves, whatever that is: cls_post_norm (the default, the paper's: the target encoder's [CLS] output, after
+    # the final LayerNorm), token_map (the CLS and the patch tokens' map, cls_patch_tokens: an inpainting view,
+    # whose samples reproduce the image), served (the bundle's own feature), or any name of msn_core.features.
+    feature: str = "cls_post_norm"
+    backend: str = "torch"  # torch (encoder.safetensors) | onnx (model.onnx: the served feature, or the CLS in it)
     mask_prob: float = 0.5  # fraction of training images whose encoder input is masked
     mask_ratio_min: float = 0.0  # masked images drop a ratio drawn uniformly in [min, max]
     mask_ratio_max: float = 0.9
@@ -137,6 +148,14 @@ def config_from_dict(raw: dict[str, Any]) -> RCDMConfig:
     return cfg
 
 
+def recorded_config(raw: dict[str, Any]) -> RCDMConfig:
+    """A run's recorded config (its checkpoint's or ``config.yaml``): one written before ``cond.feature`` existed
+    conditioned its decoder on the bundle's served feature, and still means that."""
+    cond = dict(raw.get("cond") or {})
+    cond.setdefault("feature", "served")
+    return config_from_dict({**raw, "cond": cond})
+
+
 def validate(cfg: RCDMConfig) -> None:
     m, d, c = cfg.model, cfg.diffusion, cfg.cond
     levels = len(m.block_out_channels)
@@ -168,6 +187,16 @@ def validate(cfg: RCDMConfig) -> None:
         raise ConfigError("cond: need 0 <= mask_ratio_min <= mask_ratio_max < 1 and mask_prob in [0, 1]")
     if c.backend not in ("torch", "onnx"):
         raise ConfigError(f"cond.backend={c.backend!r}: expected torch or onnx")
+    if c.feature not in FEATURE_ALIASES and c.feature != "served":
+        try:
+            parse_feature(c.feature)
+        except FeatureError as exc:
+            raise ConfigError(f"cond.feature={c.feature!r}: {exc}, or token_map or served") from None
+    if m.kind not in ("rcdm", "regression"):
+        raise ConfigError(f"model.kind={m.kind!r}: expected rcdm or regression")
+    if m.kind == "regression" and (d.cond_drop_prob > 0 or m.learn_sigma):
+        raise ConfigError("model.kind=regression has one output and no unconditional branch: set "
+                          "diffusion.cond_drop_prob=0 and model.learn_sigma=false")
     if cfg.data.source not in SOURCES:
         raise ConfigError(f"data.source={cfg.data.source!r}: expected {', '.join(SOURCES)}")
     if cfg.data.source in FILE_SOURCES and not cfg.data.root:

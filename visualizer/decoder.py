@@ -1,17 +1,19 @@
 """The RCDM decoder: a diffusers ``UNet2DModel`` conditioned on a frozen MSN embedding.
 
-As in facebookresearch/RCDM, the representation enters through one learned linear projection that is *added to the
-timestep embedding* (``class_embed_type="identity"``: the UNet adds whatever it is given); that sum drives the
+As in facebookresearch/RCDM, the representation (``cond.feature``; by default the [CLS] output, as the paper's figure
+conditions) enters through one learned linear projection, or a small MLP with ``model.global_mlp``, that is *added to
+the timestep embedding* (``class_embed_type="identity"``: the UNet adds whatever it is given); that sum drives the
 scale-shift GroupNorm (AdaGN, ``resnet_time_scale_shift="scale_shift"``) of every ResNet block. There is no
 cross-attention. Two optional additions: a LayerNorm on the raw feature (MSN's pre-norm CLS has a large, model-
 dependent scale) and a learned null embedding that replaces the feature for classifier-free guidance.
 
-Where we differ from RCDM, when asked (``model.map_channels``): a spatial feature (CLS + the patch tokens' map,
-:class:`msn_core.features.FeatureLayout`) keeps its layout. The map is normalised per place, projected to
-``map_channels`` channels by a 1 x 1 convolution, upsampled to the image and concatenated to ``x_t`` as extra input
-channels, so what the encoder saw at a place conditions the pixels at that place; the global path then carries the
-CLS part alone (through a small MLP with ``model.global_mlp``). Flattened into one 64-wide projection, as before,
-the layout is lost and samples fall back to class averages.
+An inpainting view, when asked (``model.map_channels`` with a spatial feature, ``cond.feature: token_map``): the CLS +
+the patch tokens' map (:class:`msn_core.features.FeatureLayout`) keeps its layout. The map is normalised per place,
+projected to ``map_channels`` channels by a 1 x 1 convolution, upsampled to the image and concatenated to ``x_t`` as
+extra input channels, so what the encoder saw at a place conditions the pixels at that place; the global path then
+carries the CLS part alone. Such a decoder reproduces its source image (measured: docs/visualizer.md), so it shows how
+kept patches fill in the rest, not what the representation discards. ``build_decoder`` also builds the plain
+regression decoder (``model.kind: regression``, :mod:`visualizer.regression`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 
 from msn_core.features import FeatureLayout
 from visualizer.config import ModelConfig
+from visualizer.regression import RegressionDecoder
 
 __all__ = ["RCDMDecoder", "build_decoder"]
 
@@ -109,5 +112,8 @@ class RCDMDecoder(nn.Module):
         return self.unet(x_in, t, class_labels=cond.to(x_t.dtype)).sample
 
 
-def build_decoder(cfg: ModelConfig, cond_dim: int, layout: FeatureLayout | None = None) -> RCDMDecoder:
+def build_decoder(cfg: ModelConfig, cond_dim: int, layout: FeatureLayout | None = None) -> nn.Module:
+    """The network ``model.kind`` names: the RCDM UNet, or the plain regression decoder (a flat feature vector)."""
+    if cfg.kind == "regression":
+        return RegressionDecoder(cfg, cond_dim)
     return RCDMDecoder(cfg, cond_dim, layout)

@@ -22,9 +22,17 @@ import torch.nn.functional as F
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 from torch import Tensor, nn
 
-from visualizer.config import DiffusionConfig
+from visualizer.config import DiffusionConfig, RCDMConfig
+from visualizer.regression import Regression
 
-__all__ = ["Diffusion", "discretized_gaussian_log_likelihood", "normal_kl"]
+__all__ = ["Diffusion", "build_objective", "discretized_gaussian_log_likelihood", "normal_kl"]
+
+
+def build_objective(cfg: RCDMConfig) -> Diffusion | Regression:
+    """The loss and the sampler of ``model.kind``: diffusion (RCDM) or the regression decoder's MSE."""
+    if cfg.model.kind == "regression":
+        return Regression(cfg.diffusion)
+    return Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
 
 
 def normal_kl(mean1: Tensor, logvar1: Tensor, mean2: Tensor, logvar2: Tensor) -> Tensor:

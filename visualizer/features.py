@@ -1,10 +1,13 @@
 """Frozen MSN features from an exported bundle, with optional patch masking.
 
 The encoder is the bundle's torch trunk (``encoder.safetensors``) or its ONNX graph (``model.onnx`` under ONNX
-Runtime); either way the image goes through the bundle's own preprocessing (resize, centre crop, mean/std) and the
-bundle's feature is returned. Masks are kept-patch indices in row-major patch order (:mod:`msn_core.masks`); a
-batch may mix samples that keep different numbers of patches, padded with ``-1`` (:data:`msn_core.masks.PAD`, the
-convention of the bundle, the service and training), which gives the same CLS as unpadded.
+Runtime); either way the image goes through the bundle's own preprocessing (resize, centre crop, mean/std). What is
+returned is the feature the decoder reads (``cond.feature``: by default the [CLS] output, whatever the bundle
+serves), from the same forward pass as the served feature when both are asked for; the ONNX graph outputs the served
+feature only, so it gives the CLS where the served feature holds it (``cls_patch_tokens``). Masks are kept-patch
+indices in row-major patch order (:mod:`msn_core.masks`); a batch may mix samples that keep different numbers of
+patches, padded with ``-1`` (:data:`msn_core.masks.PAD`, the convention of the bundle, the service and training),
+which gives the same CLS as unpadded.
 """
 
 from __future__ import annotations
@@ -16,12 +19,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from msn_core.features import feature_layout
+from msn_core.features import feature_dim, feature_layout
 from msn_core.inference import OrtGraph
 from msn_core.masks import PAD, num_kept
-from training.api import as_keep_tensor, encoder_keep_args, eval_transform, read_feature
+from training.api import as_keep_tensor, encoder_keep_args, eval_transform, read_features
+from visualizer.config import FEATURE_ALIASES
 
-__all__ = ["FrozenEncoder", "random_keep_rows", "to_uint8"]
+__all__ = ["FrozenEncoder", "random_keep_rows", "resolve_feature", "to_uint8"]
+
+
+def resolve_feature(name: str | None, served: str) -> str:
+    """The feature a decoder reads for ``cond.feature`` ``name``: an alias resolved (``token_map``), ``served`` or
+    ``None`` the bundle's own feature ``served``."""
+    if name is None or name == "served":
+        return served
+    return FEATURE_ALIASES.get(name, name)
 
 
 def to_uint8(images: Tensor) -> Tensor:
@@ -48,26 +60,37 @@ def random_keep_rows(batch: int, num_patches: int, ratios: Tensor | list[float],
 
 
 class FrozenEncoder:
-    """``embed(images_uint8, keep_idx=None) -> (B, D)`` float32 features on ``device``."""
+    """``embed(images_uint8, keep_idx=None) -> (B, D)`` float32 features on ``device``: the feature ``feature``
+    names (:func:`resolve_feature`; default the bundle's served one), and with :meth:`embed_with_served` the served
+    feature too, from the same forward pass."""
 
-    def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu"):
+    def __init__(self, bundle_dir: str | os.PathLike, *, backend: str = "torch", device: str | torch.device = "cpu",
+                 feature: str | None = None):
         from training.api import feature_spec, load_encoder
 
         self.bundle_dir = Path(bundle_dir)
         self.backend, self.device = backend, torch.device(device)
         encoder, self.info = load_encoder(self.bundle_dir)
-        self.feature, self.model_id = self.info.feature, self.info.model_id
+        self.served, self.model_id = self.info.feature, self.info.model_id
+        self.feature = resolve_feature(feature, self.served)
         prep = self.info.preprocessing
         self.transform = {"resize": prep.resize, "crop": prep.crop, "mean": list(prep.mean), "std": list(prep.std)}
         self.patch_size, self.grid = self.info.patch_size, self.info.grid
-        self.num_patches, self.dim = self.info.num_patches, self.info.embed_dim  # the bundle's feature width
         arch = self.info.architecture
-        self.layout = feature_layout(self.feature, embed_dim=arch.embed_dim, depth=arch.depth, grid=arch.grid)
+        shape = {"embed_dim": arch.embed_dim, "depth": arch.depth, "grid": arch.grid}
+        self.num_patches, self.dim = self.info.num_patches, feature_dim(self.feature, **shape)  # what embed gives
+        self.layout = feature_layout(self.feature, **shape)
         self.encoder = self.graph = None
+        self._cls_scale: float | None = None
         if backend == "torch":
             self.encoder = encoder.to(self.device).eval().requires_grad_(False)
-            self.spec = feature_spec(encoder, self.feature)
+            self.spec, self.served_spec = feature_spec(encoder, self.feature), feature_spec(encoder, self.served)
         elif backend == "onnx":
+            if self.feature != self.served:  # the graph outputs the served feature only; a CLS may be inside it
+                if (self.feature, self.served) != ("cls_post_norm", "cls_patch_tokens"):
+                    raise ValueError(f"cond.backend=onnx reads the graph's {self.served} only, not {self.feature}: "
+                                     "use cond.backend=torch (the same weights) or cond.feature=served")
+                self._cls_scale = float(self.num_patches) ** 0.5  # cls_patch_tokens scales its CLS by sqrt(N)
             self.graph = OrtGraph(self.info.onnx_path, device=str(self.device))  # as msn-serve runs it
         else:
             raise ValueError(f"backend must be 'torch' or 'onnx', got {backend!r}")
@@ -90,13 +113,28 @@ class FrozenEncoder:
     def embed(self, images_uint8: Tensor, keep_idx: Tensor | np.ndarray | None = None) -> Tensor:
         """``(B, D)`` features; ``keep_idx`` is ``(K,)`` for every image or ``(B, K)`` padded with ``-1``; ``None``
         keeps every patch."""
+        return self._features(images_uint8, keep_idx, served=False)[0]
+
+    @torch.no_grad()
+    def embed_with_served(self, images_uint8: Tensor,
+                          keep_idx: Tensor | np.ndarray | None = None) -> tuple[Tensor, Tensor]:
+        """``(feature, served feature)`` of the same images from one forward pass (the same tensor twice when the
+        decoder reads the served feature)."""
+        feat, served = self._features(images_uint8, keep_idx, served=True)
+        return feat, served
+
+    def _features(self, images_uint8: Tensor, keep_idx: Tensor | np.ndarray | None, *, served: bool) -> list[Tensor]:
         pixels = self.preprocess(images_uint8)
         keep = as_keep_tensor(np.arange(self.num_patches) if keep_idx is None else keep_idx, pixels.shape[0]).cpu()
         if self.encoder is not None:
             keep = keep.to(self.device)
             _, keep_mask = encoder_keep_args(keep)
-            return read_feature(self.encoder, self.spec, pixels.float(), keep, keep_mask).float()
-        return torch.from_numpy(self.graph.run(pixels.float().cpu().numpy(), keep.numpy())).to(self.device)
+            specs = [self.spec] + ([self.served_spec] if served and self.served != self.feature else [])
+            out = [f.float() for f in read_features(self.encoder, specs, pixels.float(), keep, keep_mask)]
+            return out + out[:1] if served and len(out) == 1 else out
+        graph_out = torch.from_numpy(self.graph.run(pixels.float().cpu().numpy(), keep.numpy())).to(self.device)
+        own = graph_out if self._cls_scale is None else graph_out[:, : self.info.model_dim] / self._cls_scale
+        return [own, graph_out] if served else [own]
 
     def embed_masked_batch(self, images_uint8: Tensor, *, mask_prob: float, ratio_min: float, ratio_max: float,
                            generator: torch.Generator | None = None) -> Tensor:

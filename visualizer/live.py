@@ -13,9 +13,11 @@ import threading
 import time
 from pathlib import Path
 
-from visualizer.config import RCDMConfig, config_from_dict, load_config
+import yaml
+
+from visualizer.config import RCDMConfig, recorded_config
 from visualizer.features import FrozenEncoder
-from visualizer.pipeline import RCDMPipeline, decoder_summary, load_run
+from visualizer.pipeline import RCDMPipeline, decoder_kind, decoder_summary, load_run
 
 __all__ = ["DecoderNotReady", "LiveDecoder"]
 
@@ -35,7 +37,8 @@ class LiveDecoder:
         self._stamp: tuple[int, int] | None = None
         self._lock = threading.Lock()
         self.config = self._wait_for_config(wait_s)
-        self.encoder = FrozenEncoder(self.bundle, backend=self.config.cond.backend, device=device)
+        self.encoder = FrozenEncoder(self.bundle, backend=self.config.cond.backend, device=device,
+                                     feature=self.config.cond.feature)
         self.name = self.bundle.name
         self.current()
 
@@ -48,13 +51,19 @@ class LiveDecoder:
         deadline = time.monotonic() + wait_s
         while True:
             if self.checkpoint.is_file():
-                return config_from_dict(load_run(self.checkpoint)["config"])
+                return recorded_config(load_run(self.checkpoint)["config"])
             if (self.run / "config.yaml").is_file():
-                return load_config(self.run / "config.yaml")
+                return recorded_config(yaml.safe_load((self.run / "config.yaml").read_text()) or {})
             if time.monotonic() >= deadline:
                 raise FileNotFoundError(f"no decoder checkpoint or config.yaml in {self.run} after {wait_s:.0f} s "
                                         "(train one with `msn-visualize train --output-dir RUN`)")
             time.sleep(0.5)
+
+    @property
+    def kind(self) -> str:
+        """What the decoder is (:func:`visualizer.pipeline.decoder_kind`), known from the config before a
+        checkpoint exists."""
+        return decoder_kind(self.config, self.encoder.feature, spatial=self.encoder.layout.side > 0)
 
     @property
     def guidance_trained(self) -> bool:
@@ -96,7 +105,7 @@ class LiveDecoder:
         """The app's header line: the decoder's step and quality, or that it is still training."""
         pipe = self.current()
         if pipe is None:
-            return (f"Decoder: training (run `{self.run}`), no checkpoint yet; the first comes at step "
+            return (f"Decoder ({self.kind}): training (run `{self.run}`), no checkpoint yet; the first comes at step "
                     f"{self.config.run.checkpoint_every_steps:,}, and this page loads each new one by itself.")
         text = decoder_summary(pipe)
         if pipe.quality is None:  # quality is measured when a training invocation ends

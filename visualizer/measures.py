@@ -11,7 +11,11 @@
 - **Realism**: KID (Binkowski et al. 2018), the unbiased squared MMD with the cubic polynomial kernel, in the
   encoder's feature space, averaged over subsets (:func:`kid`); real against real gives its floor.
 - **Spread**: the mean pairwise distance between samples of one image (:func:`spread`): what the representation
-  leaves free should grow with the mask.
+  leaves free should grow with the mask. As a fraction of the distance between two random images
+  (:func:`random_pair_distance`), the *seed spread* (:func:`seed_spread`): 0 for a decoder that ignores its seed (a
+  regression decoder, or one that reproduces its source), near 1 for one that ignores its condition.
+- **Faithfulness in pixels**: the same rank with raw pixels instead of a feature (:func:`pixel_vectors`, mean-centred
+  grey images, cosine): a sample that ranks its source first here reproduces the image.
 
 Every function takes arrays (numpy or torch) and returns plain numbers, so the app's header, the end-of-training
 figure and ``benchmarks/evaluation/decoder_harness.py`` show the same quantities.
@@ -23,7 +27,8 @@ import math
 
 import numpy as np
 
-__all__ = ["PixelJudge", "kid", "recall_at", "reencoded_ranks", "sharpness", "sharpness_ratio", "spread", "wilson"]
+__all__ = ["PixelJudge", "kid", "pixel_vectors", "random_pair_distance", "recall_at", "reencoded_ranks", "seed_spread",
+           "sharpness", "sharpness_ratio", "spread", "wilson"]
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -123,3 +128,36 @@ def spread(samples: np.ndarray) -> float:
         return 0.0
     diffs = [np.sqrt(np.mean((x[i] - x[j]) ** 2)) for i in range(len(x)) for j in range(i + 1, len(x))]
     return float(np.mean(diffs))
+
+
+def _unit_pixels(images: np.ndarray) -> np.ndarray:
+    """(N, [C,] H, W) uint8 (0-255) or float ([0, 1]) images -> (N, H*W) grey values in [0, 1]."""
+    x = np.asarray(images, dtype=np.float64)
+    x = (x / 255.0 if x.max(initial=0) > 1.0 else x)
+    x = x.mean(axis=1) if x.ndim == 4 else x
+    return x.reshape(len(x), -1)
+
+
+def pixel_vectors(images: np.ndarray) -> np.ndarray:
+    """Mean-centred grey pixels per image, ``(N, H*W)`` float32: the space of :class:`PixelJudge` and of the pixel
+    rank (``reencoded_ranks(pixel_vectors(samples), index, pixel_vectors(gallery))``)."""
+    x = _unit_pixels(images)
+    return (x - x.mean(axis=1, keepdims=True)).astype(np.float32)
+
+
+def random_pair_distance(images: np.ndarray, pairs: int = 2000, seed: int = 0) -> float:
+    """Mean RMS pixel distance (in [0, 1] units, as :func:`spread`) between ``pairs`` random pairs of two different
+    images of ``images`` ``(N, [C,] H, W)``: the unit of the seed spread."""
+    x = _unit_pixels(images)
+    if len(x) < 2:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    i = rng.integers(len(x), size=pairs)
+    j = (i + rng.integers(1, len(x), size=pairs)) % len(x)
+    return float(np.mean(np.sqrt(np.mean((x[i] - x[j]) ** 2, axis=1))))
+
+
+def seed_spread(samples: np.ndarray, reference: float) -> float:
+    """Mean over conditions of the mean pairwise RMS distance between the samples of one condition, ``samples``
+    ``(conditions, samples, [C,] H, W)``, as a fraction of ``reference`` (:func:`random_pair_distance`)."""
+    return float(np.mean([spread(s) for s in np.asarray(samples)]) / max(reference, 1e-12))

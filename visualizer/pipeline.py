@@ -21,13 +21,15 @@ import torch
 from PIL import Image
 
 from training.api import load_checkpoint
-from visualizer.config import MAX_GUIDANCE, RCDMConfig, config_from_dict
-from visualizer.decoder import RCDMDecoder
-from visualizer.diffusion import Diffusion
+from visualizer.config import MAX_GUIDANCE, RCDMConfig, recorded_config
+from visualizer.decoder import build_decoder
+from visualizer.diffusion import Diffusion, build_objective
 from visualizer.features import FrozenEncoder, to_uint8
 from visualizer.quality import describe
+from visualizer.regression import Regression
 
-__all__ = ["CHECKPOINT_FORMAT", "RCDMPipeline", "decoder_summary", "load_image", "load_run", "resolve_checkpoint"]
+__all__ = ["CHECKPOINT_FORMAT", "RCDMPipeline", "decoder_kind", "decoder_summary", "load_image", "load_run",
+           "resolve_checkpoint"]
 
 log = logging.getLogger("msn.visualize")
 CHECKPOINT_FORMAT = "rcdm-decoder-checkpoint"
@@ -65,14 +67,20 @@ def load_image(path: str | os.PathLike, min_size: int = 1) -> torch.Tensor:
 
 @dataclass
 class RCDMPipeline:
-    encoder: FrozenEncoder
-    decoder: RCDMDecoder
-    diffusion: Diffusion
+    encoder: FrozenEncoder  # reads the decoder's conditioning feature (cond.feature)
+    decoder: torch.nn.Module  # visualizer.decoder.RCDMDecoder, or visualizer.regression.RegressionDecoder
+    diffusion: Diffusion | Regression
     config: RCDMConfig
     step: int
     name: str
     cond_drop_prob: float = 0.0  # as the checkpoint records it (0 when it does not)
     quality: dict | None = None  # visualizer.quality's figure, when the run measured one
+    classifier: dict | None = None  # the quality figure's classifier in the conditioning space (visualizer.train)
+
+    @property
+    def kind(self) -> str:
+        """What the decoder is, for people: a CLS, token-map or regression decoder on its feature."""
+        return decoder_kind(self.config, self.encoder.feature, spatial=self.encoder.layout.side > 0)
 
     @property
     def guidance_trained(self) -> bool:
@@ -96,20 +104,20 @@ class RCDMPipeline:
     def from_dirs(cls, bundle: str | os.PathLike, decoder: str | os.PathLike, *, device: str = "cpu",
                   backend: str | None = None, name: str | None = None) -> RCDMPipeline:
         state = load_run(decoder)
-        cfg = config_from_dict(state["config"])
-        encoder = FrozenEncoder(bundle, backend=backend or cfg.cond.backend, device=device)
+        cfg = recorded_config(state["config"])
+        encoder = FrozenEncoder(bundle, backend=backend or cfg.cond.backend, device=device, feature=cfg.cond.feature)
         trained_on = state.get("bundle", {}).get("model_id")
         if trained_on and trained_on != encoder.model_id:
             log.warning("decoder %s was trained on bundle %s, not %s: samples may be meaningless",
                         decoder, trained_on, encoder.model_id)
         if int(state["cond_dim"]) != encoder.dim:
             raise ValueError(f"decoder expects {state['cond_dim']}-d features; the bundle gives {encoder.dim}-d")
-        net = RCDMDecoder(cfg.model, encoder.dim, encoder.layout)
+        net = build_decoder(cfg.model, encoder.dim, encoder.layout)
         net.load_state_dict(state["ema"])
         net.to(device).eval().requires_grad_(False)
-        diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
-        return cls(encoder, net, diffusion, cfg, int(state["step"]), name or Path(bundle).name,
-                   cond_drop_prob=float(state.get("cond_drop_prob") or 0.0), quality=state.get("quality"))
+        return cls(encoder, net, build_objective(cfg), cfg, int(state["step"]), name or Path(bundle).name,
+                   cond_drop_prob=float(state.get("cond_drop_prob") or 0.0), quality=state.get("quality"),
+                   classifier=state.get("classifier"))
 
     @property
     def image_size(self) -> int:
@@ -133,9 +141,23 @@ class RCDMPipeline:
         return to_uint8(images)
 
 
+def decoder_kind(cfg: RCDMConfig, feature: str, *, spatial: bool) -> str:
+    """A decoder's label by what it is conditioned on and how (the app names each decoder so)."""
+    if cfg.model.kind == "regression":
+        return f"regression decoder on {feature} (MSE, one output: faithful and blurry)"
+    if spatial:
+        return f"token-map decoder on {feature} (an inpainting view: the patch tokens fix the layout)"
+    if feature.startswith("cls"):
+        return f"CLS decoder on {feature} (the paper's view: what the representation keeps)"
+    return f"decoder on {feature}"
+
+
 def decoder_summary(pipe: RCDMPipeline) -> str:
-    """What the decoder is: its training step, its measured quality, and whether it can be guided."""
-    text = f"Decoder: step {pipe.step:,} of {pipe.config.optim.max_steps:,}; {describe(pipe.quality)}."
+    """What the decoder is: its conditioning, its training step, its measured quality, and whether it can be
+    guided."""
+    kind = pipe.kind
+    text = f"{kind[0].upper()}{kind[1:]}: step {pipe.step:,} of {pipe.config.optim.max_steps:,}; "
+    text += f"{describe(pipe.quality)}."
     if pipe.guidance_trained:
         return (f"{text} Trained with condition dropout {pipe.cond_drop_prob:g}: guidance 1 samples from the "
                 "embedding alone, 0 ignores it (unconditional), above 1 follows it more strictly.")

@@ -13,6 +13,9 @@ the same with another held-out image's (``feature_similarity_other``, the level 
 reaches). Faithfulness and sharpness as ``benchmarks/evaluation/decoder_harness.py`` measures them, on these images
 (:mod:`visualizer.measures`): the re-encoded rank of each sample's conditioning image among up to ``GALLERY`` held-out
 images, and the samples' high-frequency energy against their sources'. Held-out images come from :mod:`visualizer.data`.
+Every figure is in the conditioning feature's space (``cond.feature``). Two things the app's paper figure needs are
+recorded too: ``random_pair_distance``, the RMS pixel distance between two held-out images (the unit of a seed
+spread), and, from :func:`quality_and_classifier`, the fitted classifier itself, which the checkpoint keeps.
 Sampling uses the run's own sampler and step count at guidance 1 (pure conditional), as the app does by default.
 
 Everything torch does happens before cyanure fits (cyanure's OpenMP runtime can slow torch's later work in the same
@@ -35,9 +38,9 @@ from visualizer.config import RCDMConfig
 from visualizer.data import DecoderData
 from visualizer.diffusion import Diffusion
 from visualizer.features import FrozenEncoder, to_uint8
-from visualizer.measures import recall_at, reencoded_ranks, sharpness_ratio
+from visualizer.measures import random_pair_distance, recall_at, reencoded_ranks, sharpness_ratio
 
-__all__ = ["LABELLED_PER_CLASS", "balanced", "describe", "measure_quality"]
+__all__ = ["LABELLED_PER_CLASS", "balanced", "describe", "measure_quality", "quality_and_classifier"]
 
 log = logging.getLogger("msn.visualize")
 LABELLED_PER_CLASS = 100  # as rcdm_eval.py's default
@@ -93,8 +96,16 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEncoder, cfg: RCDMConfig,
                     data: DecoderData, *, step: int) -> dict | None:
     """The figures as a dict (see the module docstring), or ``None`` when ``run.quality_images`` is 0."""
+    return quality_and_classifier(decoder, diffusion, encoder, cfg, data, step=step)[0]
+
+
+def quality_and_classifier(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEncoder, cfg: RCDMConfig,
+                           data: DecoderData, *, step: int) -> tuple[dict | None, dict | None]:
+    """:func:`measure_quality`'s figure and the classifier it fitted (``None`` without labels), as a checkpoint
+    keeps it: ``coef`` (d, k) float32 in the conditioning feature's space, ``classes``, ``names`` (the class
+    names where the data has them), ``feature``."""
     if cfg.run.quality_images <= 0:
-        return None
+        return None, None
     started = time.perf_counter()
     rng = np.random.default_rng(cfg.run.seed)
     held, chosen, labelled = _picks(data, cfg.run.quality_images, rng)
@@ -107,7 +118,7 @@ def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEnc
     elif len(classes) < 2:
         reason = "one class only: class consistency needs two or more"
     if len(chosen) == 0:
-        return None
+        return None, None
 
     was_training = decoder.training
     decoder.eval()
@@ -128,12 +139,18 @@ def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEnc
         original_feats = cond.cpu().numpy()
         ranks = reencoded_ranks(sample_feats, np.arange(len(chosen)), gallery_feats)
         size = cfg.model.image_size
-        sharp = sharpness_ratio(samples.float().mean(dim=1).numpy(),
-                                decoder_view(sources, size).float().mean(dim=1).numpy())
+        originals = decoder_view(sources, size).float().mean(dim=1).numpy()
+        sharp = sharpness_ratio(samples.float().mean(dim=1).numpy(), originals)
+        pair_distance = random_pair_distance(originals)  # the app's unit for the spread of one image's samples
     decoder.train(was_training)
     figure: dict = {"class_consistency": None, "class_consistency_reason": reason}
+    record = None
     if reason is None:
         classifier = fit_logistic(labelled_feats, train_labels[labelled])  # after every torch call (docstring)
+        names = getattr(data.train, "classes", None)
+        record = {"coef": torch.from_numpy(np.asarray(classifier.coef, dtype=np.float32)),
+                  "classes": [c.item() if hasattr(c, "item") else c for c in classifier.classes],
+                  "names": list(names) if names else None, "feature": encoder.feature}
         truth = np.asarray(held.labels)[chosen]
         figure = {
             "class_consistency": round(float(np.mean(classifier.predict(sample_feats) == truth)), 4),
@@ -141,6 +158,7 @@ def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEnc
             "chance": round(1.0 / len(classes), 4), "labelled_images": len(labelled)}
     figure.update({
         "median_rank": float(np.median(ranks)), "r_at_10": round(recall_at(ranks, 10), 4),
+        "feature": encoder.feature, "random_pair_distance": round(pair_distance, 4),
         "gallery": len(gallery_feats), "sharpness_ratio": round(sharp, 3),
         "feature_similarity": _cosine(sample_feats, original_feats),
         "feature_similarity_other": _cosine(sample_feats, np.roll(original_feats, 1, axis=0))
@@ -150,7 +168,7 @@ def measure_quality(decoder: nn.Module, diffusion: Diffusion, encoder: FrozenEnc
         "seconds": round(time.perf_counter() - started, 1),
     })
     log.info("decoder quality at step %d: %s", step, describe(figure))
-    return figure
+    return figure, record
 
 
 def describe(quality: dict | None) -> str:

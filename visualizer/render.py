@@ -12,7 +12,7 @@ from PIL import Image
 
 from msn_core.durable import atomic_write
 
-__all__ = ["bitmap_from_keep_idx", "masked_view", "patch_grid_image", "save_grid", "to_hwc", "upscale"]
+__all__ = ["bitmap_from_keep_idx", "grid_image", "masked_view", "patch_grid_image", "save_grid", "to_hwc", "upscale"]
 
 MASK_GREY = 127
 
@@ -59,14 +59,20 @@ def patch_grid_image(view: np.ndarray, keep: np.ndarray, cell_px: int) -> np.nda
     return image.round().astype(np.uint8)
 
 
-def save_grid(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, *, cell: int = 96,
-              pad: int = 2) -> Path:
-    """Write rows of (H, W, 3) uint8 images as one PNG (each image upscaled to ``cell``), atomically."""
-    path = Path(path)
+def grid_image(rows: Sequence[Sequence[np.ndarray]], *, cell: int = 96, pad: int = 2) -> Image.Image:
+    """Rows of (H, W, 3) uint8 images as one picture, each image upscaled to ``cell``, on white."""
     width = max(len(row) for row in rows)
     canvas = Image.new("RGB", (width * (cell + pad) + pad, len(rows) * (cell + pad) + pad), (255, 255, 255))
     for r, row in enumerate(rows):
         for c, image in enumerate(row):
             canvas.paste(Image.fromarray(upscale(image, cell)), (pad + c * (cell + pad), pad + r * (cell + pad)))
+    return canvas
+
+
+def save_grid(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, *, cell: int = 96,
+              pad: int = 2) -> Path:
+    """Write rows of (H, W, 3) uint8 images as one PNG (:func:`grid_image`), atomically."""
+    path = Path(path)
+    canvas = grid_image(rows, cell=cell, pad=pad)
     atomic_write(path, lambda f: canvas.save(f, format="PNG"))
     return path

@@ -15,7 +15,10 @@ probability any of its steps trained with (0 for checkpoints written before it w
 branch, classifier-free guidance has nothing to guide with, so the app fixes guidance at 1), and ``quality``, the
 figures measured on held-out images at the end of the last invocation (:mod:`visualizer.quality`, also in
 ``metrics.jsonl``; class consistency is ``None`` with its reason where the images have no labels). Which images are
-held out: :mod:`visualizer.data`.
+held out: :mod:`visualizer.data`. What the decoder is conditioned on: ``cond_feature`` (``cond.feature`` resolved; a
+checkpoint without it conditioned on the bundle's served feature), beside ``served_feature``; ``classifier`` is
+the quality figure's low-shot classifier in that feature's space (``coef``, ``classes``, ``names``), which the app's
+figure uses to say which class the samples keep.
 """
 
 from __future__ import annotations
@@ -49,11 +52,11 @@ from training.api import (
 )
 from visualizer.config import RCDMConfig, dump_config
 from visualizer.data import DecoderData, decoder_data
-from visualizer.decoder import RCDMDecoder
-from visualizer.diffusion import Diffusion
+from visualizer.decoder import build_decoder
+from visualizer.diffusion import Diffusion, build_objective
 from visualizer.features import FrozenEncoder, random_keep_rows, to_uint8
 from visualizer.pipeline import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, load_run
-from visualizer.quality import measure_quality
+from visualizer.quality import quality_and_classifier
 from visualizer.render import bitmap_from_keep_idx, masked_view, save_grid, to_hwc
 
 __all__ = ["decoder_targets", "learning_rate", "train"]
@@ -137,7 +140,7 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     torch.manual_seed(cfg.run.seed + info.rank)
     mask_generator = torch.Generator().manual_seed(cfg.run.seed + 7919 * (info.rank + 1))
 
-    encoder = FrozenEncoder(bundle, backend=cfg.cond.backend, device=device)
+    encoder = FrozenEncoder(bundle, backend=cfg.cond.backend, device=device, feature=cfg.cond.feature)
     load_size = cfg.data.load_size or max(cfg.model.image_size, int(encoder.transform["resize"]))
     data = decoder_data(cfg, load_size)  # training images, and held-out ones (a slice of a split-less folder)
     dataset = data.train
@@ -146,18 +149,25 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
                                    pin_memory=device.type == "cuda")
     steps_per_epoch = len(loader)
 
-    decoder = RCDMDecoder(cfg.model, encoder.dim, encoder.layout).to(device)
+    decoder = build_decoder(cfg.model, encoder.dim, encoder.layout).to(device)
     ema = copy.deepcopy(decoder).requires_grad_(False)
-    diffusion = Diffusion(cfg.diffusion, learn_sigma=cfg.model.learn_sigma)
+    diffusion = build_objective(cfg)
     optimizer = torch.optim.AdamW(decoder.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 
     progress = Progress()
     trained_drop, quality = cfg.diffusion.cond_drop_prob, None  # what the checkpoint will record (module docstring)
+    classifier = None
     if resume and checkpoint_path.exists():
         state = load_run(checkpoint_path)
         if state["bundle"]["model_id"] != encoder.model_id:
             raise ValueError(f"{checkpoint_path} was trained on bundle {state['bundle']['model_id']}, "
                              f"not {encoder.model_id}: use another --output-dir")
+        trained_on = state.get("cond_feature") or encoder.served  # checkpoints before cond.feature: the served one
+        if (trained_on, state["config"]["model"].get("kind", "rcdm")) != (encoder.feature, cfg.model.kind):
+            raise ValueError(f"{checkpoint_path} is a {state['config']['model'].get('kind', 'rcdm')} decoder on "
+                             f"{trained_on}, not a {cfg.model.kind} decoder on {encoder.feature} (cond.feature="
+                             f"{cfg.cond.feature}): use another --output-dir")
+        classifier = state.get("classifier")
         decoder.load_state_dict(state["decoder"])
         ema.load_state_dict(state["ema"])
         optimizer.load_state_dict(state["optimizer"])
@@ -184,10 +194,12 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
     if is_main:
         params = sum(p.numel() for p in decoder.parameters()) / 1e6
         bar.write(f"RCDM decoder: {params:.2f}M parameters, {len(dataset)} images, {steps_per_epoch} steps/epoch, "
-                  f"world size {info.world_size}, device {device}, {precision}, conditioning on {encoder.model_id}")
+                  f"world size {info.world_size}, device {device}, {precision}, conditioning on {encoder.model_id}'s "
+                  f"{encoder.feature} ({encoder.dim}-d; the bundle serves {encoder.served})")
 
     def save() -> None:
         payload = {"config": cfg.to_dict(), "cond_dim": encoder.dim, "cond_drop_prob": trained_drop,
+                   "cond_feature": encoder.feature, "served_feature": encoder.served, "classifier": classifier,
                    "quality": quality, "bundle": {"model_id": encoder.model_id, "path": str(bundle)},
                    "decoder": decoder.state_dict(), "ema": ema.state_dict(), "optimizer": optimizer.state_dict()}
         save_progress(checkpoint_path, payload, progress, steps_per_epoch=steps_per_epoch, info=info,
@@ -246,9 +258,9 @@ def train(cfg: RCDMConfig, bundle: str | Path, output_dir: str | Path, *, resume
             grid = output_dir / "samples" / f"step_{step:06d}.png"
             write_sample_grid(grid, ema, diffusion, encoder, grid_images, cfg)
         if is_main and step == total:
-            measured = measure_quality(ema, diffusion, encoder, cfg, data, step=step)
+            measured, fitted = quality_and_classifier(ema, diffusion, encoder, cfg, data, step=step)
             if measured is not None:
-                quality = measured
+                quality, classifier = measured, fitted or classifier
                 with open(output_dir / "metrics.jsonl", "a") as f:
                     f.write(json.dumps({"step": step, "quality": quality}) + "\n")
         if step % cfg.run.checkpoint_every_steps == 0 or step == total:

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     # share the server's cores (8 stay free for it at 8). Threads (one process) against HTTP worker processes: how
     # each added HTTP process adds to the rate.
     # The dry run measures one configuration, HTTP worker processes (threads: tests/serve/test_decode_pool.py).
-    frontend = (["--cores", "1", "--seconds", "1", "--clients", "4", "--client-procs", "1", "--modes", "http"]
+    frontend = (["--cores", "1", "--seconds", "0.25", "--clients", "4", "--client-procs", "1", "--modes", "http"]
                 if a.dry_run else ["--cores", "1,2,4,8", "--seconds", "8", "--clients", "64", "--client-procs", "4",
                                    "--modes", "threads,http"])
     stages = [  # (name, command, seconds it needs at least, seconds it may take)

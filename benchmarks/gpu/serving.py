@@ -159,9 +159,10 @@ def offline_section(bundle: Path, cuda: bool, threads: int, batches: list[int], 
 
 
 def http_section(bundle: Path, cuda: bool, threads: int, batch: int, wait_ms: float, per_client: int, procs: int,
-                 clients: list[int], tmp: Path, http_workers: list[str]) -> dict:
+                 clients: list[int], tmp: Path, http_workers: list[str], server_args: list[str] = ()) -> dict:
     """HTTP against the engine: for each ``--http-workers`` setting (0: one process; auto: one HTTP process per
-    host core but one), images/s at each client count, against the engine offline."""
+    host core but one), images/s at each client count, against the engine offline. ``server_args``: more msn-serve
+    flags."""
     import httpx
 
     from benchmarks.serving.serve_bench import load, offline
@@ -183,7 +184,7 @@ def http_section(bundle: Path, cuda: bool, threads: int, batch: int, wait_ms: fl
     for workers in http_workers:
         proc, url = start_server(bundle, tmp / f"data-{workers}", [
             "--device", device, "--max-batch-size", str(batch), "--max-wait-ms", str(wait_ms), "--queue-size",
-            "8192", "--http-workers", workers])
+            "8192", "--http-workers", workers, *server_args])
         try:
             ready = httpx.get(f"{url}/readyz", timeout=10).json()
             runs = []
@@ -236,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                                             1 if a.quick else a.rounds, 1 if a.quick else a.runs, tmp)
         save_json(a.out, result)
         if not a.skip_http:
+            # The dry run's servers serve ONNX Runtime fp32 as asked, gated but not timed against OpenVINO, as a CUDA
+            # server serves its one engine: a CPU runtime choice (seconds of timing a start) is no part of this run.
+            pinned = ["--runtime", "onnxruntime", "--precision", "fp32"] if a.quick and not cuda else []
             result["http"] = http_section(bundle, cuda, a.threads, 4 if a.quick else a.http_batch, a.max_wait_ms,
                                           2 if a.quick else a.per_client, 1 if a.quick else a.client_procs,
-                                          [1, 4] if a.quick else a.clients, tmp, a.http_workers)
+                                          [1, 4] if a.quick else a.clients, tmp, a.http_workers, pinned)
             for workers, row in result["http"]["by_workers"].items():
                 print(f"http --http-workers {workers}:", json.dumps({k: v for k, v in row.items() if k != "clients"}),
                       flush=True)

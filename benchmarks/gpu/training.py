@@ -38,8 +38,13 @@ from benchmarks.training.speed_choice import speed_choice
 from benchmarks.training.step_breakdown import for_device, measure
 from benchmarks.training.train_throughput import COMMON, PRESETS, matmul_ceiling, run_once, split_preset
 
+# The dry run's model and run: every part the GPU run uses (views, focal masks, head, prototypes, both probes), each
+# as small as it goes. One thread: the suite's workers share a small machine's cores, where torch's second thread
+# would spin waiting for a core and multiply the CPU time.
 QUICK_CPU = ["model.arch=vit_tiny", "model.patch_size=16", "model.image_size=64", "mask.focal_size=32",
              "mask.num_focal=2", "data.load_size=64", "data.batch_size=2", "data.num_workers=0",
+             "model.depth=2", "model.head_hidden_dim=256", "model.head_out_dim=64", "model.num_prototypes=128",
+             "run.probe_images=96", "run.view_probe_images=16", "run.cpu_threads=1",
              "run.max_steps=3", "run.log_every_steps=1", "run.device=cpu"]
 
 
@@ -99,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     profile_dir = a.out.with_name(a.out.stem + "-profile")
     result: dict = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "overrides": overrides,
                     "common": COMMON, "ceilings_gflops": {}, "rows": [], "breakdown": {}, "speed_timing": {}}
-    sizes = (256, 512) if a.quick else None
+    if a.quick:
+        torch.set_num_threads(1)  # as QUICK_CPU's run.cpu_threads
+    sizes = (128, 256) if a.quick else None
     for p in ("bf16", "fp32"):
-        result["ceilings_gflops"][p] = matmul_ceiling(a.device, p, sizes, 0.2 if a.quick else 1.0) / 1e9
+        result["ceilings_gflops"][p] = matmul_ceiling(a.device, p, sizes, 0.05 if a.quick else 1.0) / 1e9
     save_json(a.out, result)
     for precision in a.precisions:
         kernels = a.cpu_attention if a.device == "cpu" and precision == "bf16" else ["sdpa"]  # fp32: always SDPA

@@ -35,20 +35,43 @@ def section(results: Path) -> str:
               "brackets as a fraction of the judge's accuracy on the originals); high-frequency energy against the "
               "conditioning image's (1 = as sharp); KID against 2,000 other test images in the encoder's space; the "
               "spread of 4 samples of one image. *Class in the feature*: the classifier on the (masked) conditioning "
-              "features themselves, the most of the class a decoder can keep."), ""]
+              "features themselves, the most of the class a decoder can keep.")]
+    new = any("pixel_median_rank" in row for r in runs for row in r["rows"])
+    if new:  # the columns of the harness that measures in the representation's space (older files lack them)
+        lines[-1] += (" *Feature*: the space the rank is measured in (the conditioning feature's); *condition's "
+                      "rank*: the masked condition's own rank there; *pixel rank*: the rank in raw pixels (1: the "
+                      "sample reproduces its source); *seed spread*: two samples of one condition apart, as a "
+                      "fraction of two random test images. References on the same images: a decoder trained the "
+                      "same way on the random-init twin, and a regression decoder from the same feature.")
+    lines.append("")
     head = ["decoder", "mask", "guidance", "median rank", "R@1", "R@10", "classifier", "pixel kNN",
             "class in the feature", "sharpness", "KID", "spread"]
+    if new:
+        head[1:1], head[7:7], head[-3:-3] = ["feature"], ["condition's rank", "pixel rank"], ["seed spread"]
     rows = []
+
+    def add(name: str, row: dict) -> None:
+        def get(key: str, fmt: str) -> str:
+            return format(row[key], fmt) if row.get(key) is not None else ""
+
+        cells = [name, f"{row['ratio']:.1f}", f"{row['guidance']:g}", f"{row['median_rank']:.0f}",
+                 f"{row['r_at_1']:.3f}", f"{row['r_at_10']:.3f}", _judge(row["classifier"]),
+                 _judge(row["pixel_judge"]), get("classifier_on_condition", ".2f"), f"{row['sharpness_ratio']:.2f}",
+                 f"{row['kid']:.4f}", get("spread", ".3f")]
+        if new:
+            cells[1:1], cells[7:7] = [row.get("feature", "")], [get("condition_median_rank", ".0f"),
+                                                                  get("pixel_median_rank", ".0f")]
+            cells[-3:-3] = [get("seed_spread", ".2f")]
+        rows.append(cells)
+
     for r in runs:
         cfg = r["config"]
         name = f"{r['tag']} ({cfg['image_size']} px, {cfg['sampler']} {cfg['sample_steps']}, step {r['decoder_step']})"
         for row in r["rows"]:
-            rows.append([name, f"{row['ratio']:.1f}", f"{row['guidance']:g}", f"{row['median_rank']:.0f}",
-                         f"{row['r_at_1']:.3f}", f"{row['r_at_10']:.3f}", _judge(row["classifier"]),
-                         _judge(row["pixel_judge"]),
-                         f"{row['classifier_on_condition']:.2f}" if "classifier_on_condition" in row else "",
-                         f"{row['sharpness_ratio']:.2f}", f"{row['kid']:.4f}",
-                         f"{row['spread']:.3f}" if "spread" in row else ""])
+            add(name, row)
+        for ref, measured in r.get("references", {}).items():
+            for row in measured["rows"]:
+                add(f"{r['tag']}: reference {ref.replace('_', '-')} (step {measured['decoder_step']})", row)
     lines += [table(head, rows), ""]
     for r in runs:
         c = r["ceilings"]

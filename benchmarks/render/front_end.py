@@ -16,6 +16,12 @@ WORKERS = ("`python -m benchmarks.serving.workers_bench --bundle BUNDLE`: a bund
            "files from 64 clients, against the engine offline (`session.run` on batches of 64 preprocessed images, "
            "every core); then one client, instant engine and 224-px JPEGs, one process against two HTTP processes "
            "in interleaved rounds.")
+ROUTES = ("`python -m benchmarks.serving.workers_bench --routes embed v1 oip --workers 0 2 --rounds 0`: the same "
+          "bundle and images through every embedding route, one image per request from 64 clients: `/embed` "
+          "(multipart), `/v1/embeddings` (a base64 data URL, JSON floats back) and OIP infer (the image's "
+          "preprocessed `pixel_values` as `tritonclient` sends them, binary tensors in and out); with HTTP worker "
+          "processes all three are prepared in the HTTP processes.")
+ROUTE_NAMES = {"embed": "/embed", "v1": "/v1/embeddings", "oip": "OIP infer"}
 MODES = {"threads": "one process, decode threads", "processes": "one process, decode worker processes",
          "http": "HTTP worker processes"}
 
@@ -57,11 +63,27 @@ def _workers(report: dict) -> list[str]:
     return lines + [f"Machine: {machine_line(report['machine'])}.", ""]
 
 
+def _routes(report: dict) -> list[str]:
+    """Every embedding route at each ``--http-workers`` (``workers_bench --routes``)."""
+    rows = []
+    for route, by_workers in report["routes"].items():
+        for setting, r in by_workers.items():
+            fe = r.get("front_end") or {}
+            rows.append([ROUTE_NAMES.get(route, route), setting, str(fe.get("http_workers", setting)),
+                         f"{r['images_per_s']:,.0f}", f"{r['vs_embed']:.2f}" if "vs_embed" in r else "",
+                         f"{r['server_cpu_ms_per_image']:.2f}", f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f}"])
+    return [table(["route", "--http-workers", "HTTP processes", "images/s", "of /embed's", "server CPU ms/image",
+                   "p50 / p99 ms"], rows), "", f"Machine: {machine_line(report['machine'])}.", ""]
+
+
 def section(results: Path) -> list[str]:
     lines = ["## Front end and HTTP worker processes", ""]
     frontend, workers = results / "frontend_bench.json", results / "workers_bench.json"
+    routes = results / "workers_bench-routes.json"
     if frontend.exists():
         lines += [FRONTEND, ""] + _frontend(json.loads(frontend.read_text()))
     if workers.exists():
         lines += [WORKERS, ""] + _workers(json.loads(workers.read_text()))
+    if routes.exists():
+        lines += [ROUTES, ""] + _routes(json.loads(routes.read_text()))
     return lines if len(lines) > 2 else []

@@ -212,7 +212,7 @@ def main() -> None:
                       "seconds": a.seconds, "rows": rows, "scaling_2_over_1_core": scaling,
                       "server_stack": server_stack(), "src": str(a.src) if a.src else "this tree",
                       "note": "the load generator runs on the same machine; its CPU is not counted as the server's",
-                      "machine": machine()})
+                      "machine": machine(torch_info=False)})  # no torch in this benchmark: importing it is seconds
 
 
 def compare(a: argparse.Namespace) -> None:
@@ -241,7 +241,8 @@ def compare(a: argparse.Namespace) -> None:
                                                "images_per_s": rates}
     print(summary)
     save_json(a.out, {"benchmark": "frontend_bench --compare-src", "engine": ENGINE, "clients": a.clients,
-                      "seconds": a.seconds, "rows": rows, "summary": summary, "machine": machine()})
+                      "seconds": a.seconds, "rows": rows, "summary": summary,
+                      "machine": machine(torch_info=False)})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 load generator for ``POST /embed``: pre-built multipart requests over keep-alive sockets.
+"""A lean HTTP/1.1 load generator for ``POST /embed`` (and ``/v1/embeddings``, OIP infer): pre-built requests over
+keep-alive sockets.
 
 On a machine where the clients share cores with the server (the 2-core development VM, pinned to one core), a
 general-purpose client such as httpx spends more CPU per request than the server does, so the measured throughput
@@ -11,6 +12,8 @@ reads a server's, so a benchmark can say where the core went.
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import threading
 import time
@@ -37,6 +40,30 @@ def embed_request(host: str, image: bytes, *, mask: str | None = None, accept: s
     head = (f"POST /embed HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
             f"Content-Length: {len(body)}\r\n" + (f"Accept: {accept}\r\n" if accept else "") + "\r\n")
     return head.encode() + body
+
+
+def embeddings_request(host: str, image: bytes, *, model: str = "msn") -> bytes:
+    """The bytes of one OpenAI-style ``POST /v1/embeddings`` with one image as a base64 PNG data URL (what the
+    ``openai`` client sends, floats answered as JSON)."""
+    body = json.dumps({"model": model, "input": f"data:image/png;base64,{base64.b64encode(image).decode()}",
+                       "encoding_format": "float"}).encode()
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+def infer_request(host: str, pixels: np.ndarray, *, model: str = "msn") -> bytes:
+    """The bytes of one Open Inference Protocol ``POST /v2/models/{model}/infer`` with one image's ``pixel_values``
+    (float32 ``(C, H, W)``, already preprocessed) as ``tritonclient.http`` sends it by default: Triton's binary
+    tensor extension in, binary out."""
+    tensor = np.ascontiguousarray(pixels[None], dtype="<f4").tobytes()
+    header = json.dumps({"inputs": [{"name": "pixel_values", "shape": [1, *pixels.shape], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(tensor)}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    head = (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n"
+            f"Content-Length: {len(header) + len(tensor)}\r\n\r\n")
+    return head.encode() + header + tensor
 
 
 async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, int]:

@@ -164,8 +164,9 @@ def schedule(seed: int, seconds: float, kills: int, disks: int, hups: int) -> li
 class Soak:
     def __init__(self, bundle: Path, scratch: Path, minutes: float, seed: int, clients: int, procs: int,
                  tmpfs_mb: int, publish_s: float, poll_s: float, keep_live: int = chaos_load.KEEP_LIVE,
-                 http_workers: str = "0"):
+                 http_workers: str = "0", startup_s: float = STARTUP_S):
         self.bundle, self.scratch, self.seconds, self.seed = bundle, scratch, 60.0 * minutes, seed
+        self.startup_s = startup_s
         workers = ["--http-workers", http_workers]
         self.keep_live = keep_live
         self.clients, self.procs = clients, procs
@@ -278,7 +279,7 @@ class Soak:
         chaos_load.prepare(self.writer.url, self.dim)
         self.reader.start()
         images = test_images(16)
-        self.start_at = time.time() + STARTUP_S
+        self.start_at = time.time() + self.startup_s
         stop_at = self.start_at + self.seconds
         prober = chaos_load.Prober({"w": self.writer.url, "r": self.reader.url}, self.mount)
         prober.start()
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-live", type=int, default=chaos_load.KEEP_LIVE,
                     help="acked adds each client keeps in the index before deleting its oldest (0: never delete)")
     ap.add_argument("--http-workers", default="0", help="both servers' --http-workers (0: one process each)")
+    ap.add_argument("--startup-s", type=float, default=STARTUP_S,
+                    help="time the client processes get to start (spawn + imports) before the load and its clock")
     ap.add_argument("--note", default="")
     a = ap.parse_args(argv)
     if a.minutes <= 0 or a.clients < 1:
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         bundle = a.bundle or tiny_bundle(scratch / "tiny")
         soak = Soak(bundle, scratch, m, a.seed, a.clients, a.client_procs, a.tmpfs_mb, a.publish_interval_s,
-                    a.reload_poll_s, a.keep_live, a.http_workers)
+                    a.reload_poll_s, a.keep_live, a.http_workers, a.startup_s)
         try:
             raw = soak.run(kills, disks, hups)
         finally:

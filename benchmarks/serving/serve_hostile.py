@@ -6,9 +6,10 @@
 
 (1) the hostile searches (a 1 MiB metadata value, 10,000 queries, 200 queries x k=10000 on a 10k index, a 600 MB
 response): statuses and the server's peak-memory growth (VmHWM); (2) /healthz latency while a ~10 s few-shot fit
-runs (1800 examples, 360 classes); (3) eight 6300x6300 16-bit PNGs in one /embed request: server CPU seconds and
-peak-memory growth. ``--src`` runs the server from another source tree (to measure the code before a change;
-``--skip-search`` there, since the unbounded search can exhaust the machine's memory). Prints and writes JSON.
+runs (1800 examples, 360 classes) and while a ~30 MB JSON fit body is parsed (the figure a test bounds); (3) eight
+6300x6300 16-bit PNGs in one /embed request: server CPU seconds and peak-memory growth. ``--src`` runs the server
+from another source tree (to measure the code before a change; ``--skip-search`` there, since the unbounded search
+can exhaust the machine's memory). Prints and writes JSON.
 """
 from __future__ import annotations
 
@@ -85,32 +86,54 @@ def hostile_search(url: str, pid: int) -> dict:
                       for k, r in cases.items()}, "peak_memory_growth_mb": growth}
 
 
-def healthz_during_fit(url: str) -> dict:
+def _healthz_while(url: str, send, settle_s: float, every_s: float) -> dict:
+    """``/healthz`` latencies, polled on a connection of its own every ``every_s`` while ``send(client)`` runs in a
+    thread (after ``settle_s``); with the sender's status and wall seconds."""
     import httpx
 
-    x = np.random.default_rng(0).standard_normal((1800, DIM)).astype(np.float32).round(4).tolist()
-    body = {"name": "long", "labels": [f"c{i % 360}" for i in range(1800)], "embeddings": x}
     out: dict = {}
 
-    def fit() -> None:
+    def run() -> None:
         with httpx.Client(base_url=url, timeout=600) as c:
             t0 = time.perf_counter()
-            r = c.post("/fewshot/fit", json=body)
-            out.update(status=r.status_code, fit_wall_s=time.perf_counter() - t0)
+            r = send(c)
+            out.update(status=r.status_code, request_wall_s=time.perf_counter() - t0)
 
-    thread = threading.Thread(target=fit)
-    thread.start()
     lat = []
     with httpx.Client(base_url=url, timeout=600) as c:
-        time.sleep(1.0)
+        c.get("/healthz")  # the polling connection is open before the request starts
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(settle_s)
         while thread.is_alive():
             t0 = time.perf_counter()
             c.get("/healthz")
             lat.append(time.perf_counter() - t0)
-            time.sleep(0.1)
+            time.sleep(every_s)
     thread.join()
     return {**out, "polls": len(lat), "healthz_ms": {"p50": 1e3 * pct(lat, 50), "p99": 1e3 * pct(lat, 99),
                                                      "max": 1e3 * max(lat)}}
+
+
+def healthz_during_fit(url: str) -> dict:
+    x = np.random.default_rng(0).standard_normal((1800, DIM)).astype(np.float32).round(4).tolist()
+    body = {"name": "long", "labels": [f"c{i % 360}" for i in range(1800)], "embeddings": x}
+    out = _healthz_while(url, lambda c: c.post("/fewshot/fit", json=body), settle_s=1.0, every_s=0.1)
+    return {"fit_wall_s": out.pop("request_wall_s"), **out}
+
+
+BIG_BODY_ROWS = 23_400  # ~30 MB of JSON text at 64 full-precision floats a row (tests/serve/test_big_body_liveness)
+
+
+def healthz_during_big_body(url: str) -> dict:
+    """The figure tests/serve/test_big_body_liveness.py bounds: /healthz while a ~30 MB JSON fit body is parsed."""
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((BIG_BODY_ROWS, DIM)) + np.repeat(np.eye(3, DIM) * 4, BIG_BODY_ROWS // 3 + 1, 0)[
+        :BIG_BODY_ROWS]
+    labels = [f"class{i % 3}" for i in range(BIG_BODY_ROWS)]
+    body = json.dumps({"name": "big", "labels": labels, "embeddings": emb.tolist()}).encode()
+    send = lambda c: c.post("/fewshot/fit", content=body, headers={"content-type": "application/json"})  # noqa: E731
+    return {"body_mb": len(body) / 1e6, **_healthz_while(url, send, settle_s=0.0, every_s=0.02)}
 
 
 def big_16bit_images(url: str, pid: int) -> dict:
@@ -148,6 +171,7 @@ def main() -> int:
                  "http_workers": a.http_workers,
                  "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     args = ["--intra-op-threads", "1"] + (["--max-request-pixels", "400000000"] if src == REPO else [])
+    args += ["--max-fit-samples", str(BIG_BODY_ROWS + 1), "--max-vectors-per-request", str(BIG_BODY_ROWS + 1)]
     args += ["--http-workers", a.http_workers] if a.http_workers != "0" else []
     with tempfile.TemporaryDirectory(prefix="msn-hostile-") as scratch:
         tmp = Path(scratch)
@@ -158,6 +182,8 @@ def main() -> int:
                 print("hostile search:", json.dumps(out["hostile_search"]), flush=True)
             out["healthz_during_fit"] = healthz_during_fit(url)
             print("healthz during fit:", json.dumps(out["healthz_during_fit"]), flush=True)
+            out["healthz_during_big_body"] = healthz_during_big_body(url)
+            print("healthz during a 30 MB body:", json.dumps(out["healthz_during_big_body"]), flush=True)
             out["images_16bit"] = big_16bit_images(url, proc.pid)
             print("16-bit images:", json.dumps(out["images_16bit"]), flush=True)
         finally:

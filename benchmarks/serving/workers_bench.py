@@ -5,11 +5,17 @@ memory per HTTP process.
    runs at the same speed): Fashion-MNIST test images as PNG files, single-image ``POST /embed`` from 64 clients,
    ``--http-workers 0`` and ``auto`` (ONNX Runtime fp32 pinned in the server and offline, so the two run the same
    engine), against the engine offline: ``session.run`` on batches of 64 already-preprocessed images, all cores.
+   ``--routes`` measures the other embedding routes the same way, one image per request: ``v1`` (OpenAI's
+   ``POST /v1/embeddings``, the PNG as a base64 data URL, floats back as JSON) and ``oip`` (``POST
+   /v2/models/msn/infer``, the PNG's preprocessed ``pixel_values`` as ``tritonclient`` sends them: binary tensors
+   in and out), each with its images/s against ``/embed``'s at the same ``--http-workers``.
 2. **One client**: the instant engine (:mod:`benchmarks.serving.instant_engine`) and 224-px JPEGs, one client, in
-   interleaved rounds: what the hop to the engine process and back adds to a request.
+   interleaved rounds: what the hop to the engine process and back adds to a request (``--rounds 0``: skipped).
 3. **Memory**: resident set of the engine process and of each HTTP process, from ``/proc``.
 
     python -m benchmarks.serving.workers_bench                 # the measurement (the machine alone)
+    python -m benchmarks.serving.workers_bench --routes embed v1 oip --workers 0 2 --rounds 0 \
+        --out benchmarks/results/workers_bench-routes.json     # every embedding route, one process and two
     python -m benchmarks.serving.workers_bench --seconds 2 --rounds 1 --out /tmp/w.json   # a smoke run
 """
 from __future__ import annotations
@@ -66,12 +72,29 @@ def offline_rate(bundle: Path, images: list[bytes], batch: int, seconds: float) 
     return batch / float(np.median(times))
 
 
+ROUTES = {"embed": "POST /embed, multipart", "v1": "POST /v1/embeddings, a base64 data URL, JSON floats back",
+          "oip": "POST /v2/models/msn/infer, pixel_values as binary tensors in and out"}
+
+
+def route_requests(route: str, bundle: Path, images: list[bytes]) -> list[bytes]:
+    """One request per image for ``route`` (``embed``, ``v1`` or ``oip``)."""
+    if route == "embed":
+        return [http_load.embed_request("127.0.0.1", d) for d in images]
+    if route == "v1":
+        return [http_load.embeddings_request("127.0.0.1", d) for d in images]
+    from msn_core.bundle import load_bundle_info
+    from msn_serve.embedding.preprocess import preprocess_bytes
+
+    pre = load_bundle_info(bundle).preprocessing
+    return [http_load.infer_request("127.0.0.1", preprocess_bytes(d, pre, max_pixels=10**8)) for d in images]
+
+
 def http_rate(bundle: Path, tmp: Path, images: list[bytes], workers: str, clients: int, seconds: float,
-              client_procs: int) -> dict:
-    proc, url = start_server(bundle, tmp / f"data-{workers}", ["--max-batch-size", "64", "--queue-size", "4096",
-                                                               "--http-workers", workers, *PINNED])
+              client_procs: int, route: str = "embed") -> dict:
+    proc, url = start_server(bundle, tmp / f"data-{route}-{workers}", ["--max-batch-size", "64", "--queue-size",
+                                                                       "4096", "--http-workers", workers, *PINNED])
     port = int(url.rsplit(":", 1)[1])
-    requests = [http_load.embed_request("127.0.0.1", d) for d in images]
+    requests = route_requests(route, bundle, images)
 
     def cpu() -> float:
         return tree_cpu_seconds(proc.pid)
@@ -122,7 +145,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--workers", nargs="+", default=["0", "auto"], help="--http-workers settings to measure")
-    ap.add_argument("--rounds", type=int, default=5, help="one-client rounds per server")
+    ap.add_argument("--routes", nargs="+", default=["embed"], choices=sorted(ROUTES),
+                    help="embedding routes to measure (embed: /embed; v1: /v1/embeddings; oip: OIP infer)")
+    ap.add_argument("--rounds", type=int, default=5, help="one-client rounds per server (0: skip that part)")
     ap.add_argument("--per-round", type=int, default=400, help="requests per one-client round")
     ap.add_argument("--out", type=Path, default=RESULTS / "workers_bench.json")
     a = ap.parse_args()
@@ -137,15 +162,29 @@ def main() -> None:
         offline = offline_rate(a.bundle, images, 64, a.seconds / 3)
         result["offline_session_run_images_per_s"] = round(offline, 1)
         print(f"offline session.run, batch 64: {offline:.0f} images/s", flush=True)
-        result["http"] = {}
+        result["http"], result["routes"] = {}, {}
         for w in a.workers:
-            r = http_rate(a.bundle, tmp, images, w, a.clients, a.seconds, a.client_procs)
-            r["vs_offline"] = round(r["images_per_s"] / offline, 3)
-            result["http"][w] = r
-            print(f"--http-workers {w} ({r['front_end'].get('http_workers')} processes): {r['images_per_s']:.0f} "
-                  f"images/s at {a.clients} clients = {r['vs_offline']:.2f} of offline; p50 {r['p50_ms']:.1f} ms, "
-                  f"errors {r['errors']}; RSS MB {r['rss_mb']}", flush=True)
+            for route in a.routes:
+                r = http_rate(a.bundle, tmp, images, w, a.clients, a.seconds, a.client_procs, route)
+                r["vs_offline"] = round(r["images_per_s"] / offline, 3)
+                r["request"] = ROUTES[route]
+                result["routes"].setdefault(route, {})[w] = r
+                if route == "embed":
+                    result["http"][w] = r
+                print(f"{route} --http-workers {w} ({r['front_end'].get('http_workers')} processes): "
+                      f"{r['images_per_s']:.0f} images/s at {a.clients} clients = {r['vs_offline']:.2f} of offline; "
+                      f"p50 {r['p50_ms']:.1f} ms, errors {r['errors']}; RSS MB {r['rss_mb']}", flush=True)
+            embed = result["routes"].get("embed", {}).get(w)
+            for route in a.routes:
+                if embed and route != "embed":
+                    mine = result["routes"][route][w]
+                    mine["vs_embed"] = round(mine["images_per_s"] / embed["images_per_s"], 3)
+                    print(f"{route} at --http-workers {w}: {mine['vs_embed']:.2f} of /embed's images/s", flush=True)
+        if not result["http"]:
+            del result["http"]
         save_json(a.out, result)
+        if a.rounds <= 0:
+            return
         result["one_client"] = one_client(tmp, a.rounds, a.per_round)
         lat = result["one_client"]
         print(f"one client (instant engine, 224-px JPEG): p50 {lat['0']['p50_ms']:.2f} -> {lat['2']['p50_ms']:.2f} ms "

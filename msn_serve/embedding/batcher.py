@@ -1,9 +1,9 @@
 """Asyncio dynamic batcher in front of the inference engine.
 
 Requests enqueue *preprocessed* images (decoding errors never reach this point, so a bad upload can only fail its
-own request): float32 ``(C,H,W)`` arrays, or uint8 ``(H,W,C)`` crops that the HTTP worker processes left in shared
-memory (:mod:`msn_serve.workers`), normalised here while the batch is packed, with the table of
-:func:`msn_core.preprocessing.normalise` (the same bits).
+own request), in one form whatever the route and the process that prepared them: the graph's own input row, float32
+``(C,H,W)`` normalised (:mod:`msn_serve.http.embedder`: decoded here, or by an HTTP worker process and read from
+shared memory, :mod:`msn_serve.workers`; or sent so by an OIP client).
 
 The engine never waits on Python: a single worker coroutine runs a batch at once when the engine is idle (after
 ``max_wait_ms``, 0 by default), and while the engine runs one batch the next one fills up (to ``max_batch_size``)
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from msn_core.masks import PAD, pad_keep
-from msn_core.preprocessing import normalise_into
 from msn_serve.embedding.engine import InferenceEngine
 from msn_serve.errors import ApiError
 from msn_serve.metrics import Metrics
@@ -52,7 +51,7 @@ INLINE_PACK_BYTES = 1 << 20  # smaller batches are packed on the event loop (a t
 
 @dataclass
 class _Item:
-    pixels: np.ndarray  # float32 (C,H,W) normalised, or a uint8 (H,W,C) crop normalised when packed
+    pixels: np.ndarray  # float32 (C,H,W) normalised: the graph's input row
     keep: np.ndarray
     future: asyncio.Future
     enqueued: float
@@ -88,8 +87,6 @@ class Batcher:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msn-infer")
         self._packer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msn-pack")
-        pre = engine.info.preprocessing
-        self._mean, self._std = pre.mean, pre.std
         self._task: asyncio.Task | None = None
         self._running: asyncio.Task | None = None  # the batch the engine runs now
         self.consecutive_failures = 0
@@ -236,14 +233,9 @@ class Batcher:
         if self.pad_shapes:
             k = next((kb for kb in self.k_buckets if kb >= k), k)
             b = next((bb for bb in self.b_buckets if bb >= b), b)
-        first = group[0].pixels
-        shape = (first.shape[2], *first.shape[:2]) if first.dtype == np.uint8 else first.shape
-        pixels = np.zeros((b, *shape), dtype=np.float32)
+        pixels = np.zeros((b, *group[0].pixels.shape), dtype=np.float32)
         for i, it in enumerate(group):
-            if it.pixels.dtype == np.uint8:
-                normalise_into(pixels[i], it.pixels, self._mean, self._std)
-            else:
-                pixels[i] = it.pixels
+            pixels[i] = it.pixels
         # Shape-padding rows keep patch 0 alone: a row with every key masked would give an all-masked softmax.
         one_patch = np.zeros(1, dtype=np.int64)
         return pixels, pad_keep([it.keep for it in group] + [one_patch] * (b - len(group)), width=k)

@@ -125,28 +125,21 @@ def load_model(spec: ModelSpec, settings: Settings, metrics: Metrics, cache_dir:
     return ServedModel(spec, info, choice, EmbeddingService(settings, info, engine, series), series)
 
 
-class ModelRegistry:
-    """Models by name, in the order they were added; the first is the default (what a request without a model
-    uses). Changes run one at a time (:attr:`_changing`) on the event loop."""
+class ModelLookups:
+    """How a request names a model, over :attr:`models` (name -> an object with ``name`` and ``info``, in the order
+    they were added; the first is the default): the registry's own models here, and the catalog an HTTP worker
+    process keeps of them (:mod:`msn_serve.workers.link`), so both answer a name alike."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, cache_dir: Path,
-                 on_change: Callable[[], None] = lambda: None):
-        self.settings, self.metrics, self.cache_dir = settings, metrics, cache_dir
-        self.models: dict[str, ServedModel] = {}
-        self.served: list[str] = []  # model ids of the models served, default first (a live list the stores read)
-        self.on_change = on_change
-        self._changing = asyncio.Lock()
-        self._retiring: set[asyncio.Task] = set()
+    models: dict[str, Any]
 
-    # ---- lookups -------------------------------------------------------------------------------------------------
     @property
-    def default(self) -> ServedModel:
+    def default(self) -> Any:
         return next(iter(self.models.values()))
 
     def names(self) -> list[str]:
         return list(self.models)
 
-    def get(self, name: str | None) -> ServedModel:
+    def get(self, name: str | None) -> Any:
         """The model called ``name`` (the default for None); 404 naming the models served otherwise."""
         if name is None:
             return self.default
@@ -156,7 +149,7 @@ class ModelRegistry:
                             " (GET /v1/models)")
         return model
 
-    def resolve(self, alias: str) -> ServedModel | None:
+    def resolve(self, alias: str) -> Any:
         """A model by name, by ``msn`` (the default) or by model id (the default first): what OIP and /v1 accept."""
         if alias in self.models:
             return self.models[alias]
@@ -164,10 +157,41 @@ class ModelRegistry:
             return self.default
         return self.for_model_id(alias)
 
-    def for_model_id(self, model_id: str) -> ServedModel | None:
+    def for_model_id(self, model_id: str) -> Any:
         if self.default.info.model_id == model_id:
             return self.default
         return next((m for m in self.models.values() if m.info.model_id == model_id), None)
+
+
+class ModelRegistry(ModelLookups):
+    """Models by name, in the order they were added; the first is the default (what a request without a model
+    uses). Changes run one at a time (:attr:`_changing`) on the event loop."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, cache_dir: Path,
+                 on_change: Callable[[], None] = lambda: None):
+        self.settings, self.metrics, self.cache_dir = settings, metrics, cache_dir
+        self.models: dict[str, ServedModel] = {}
+        self.served: list[str] = []  # model ids of the models served, default first (a live list the stores read)
+        self.on_change = on_change
+        # Asked before a model loaded by put() is started: each may refuse it with an ApiError (the HTTP worker
+        # processes refuse one whose input does not fit their shared-memory slots).
+        self.admission: list[Callable[[str, BundleInfo], None]] = []
+        self._changing = asyncio.Lock()
+        self._retiring: set[asyncio.Task] = set()
+
+    # ---- lookups (and ModelLookups') -----------------------------------------------------------------------------
+    @property
+    def default(self) -> ServedModel:
+        return next(iter(self.models.values()))
+
+    def get(self, name: str | None) -> ServedModel:
+        return super().get(name)
+
+    def resolve(self, alias: str) -> ServedModel | None:
+        return super().resolve(alias)
+
+    def for_model_id(self, model_id: str) -> ServedModel | None:
+        return super().for_model_id(model_id)
 
     def for_store(self, what: str, name: str, stored: str | None) -> ServedModel:
         """The model that embeds for a store made with ``stored`` (the default for a store that recorded none);
@@ -201,6 +225,8 @@ class ModelRegistry:
                 model = await asyncio.to_thread(load_model, spec, self.settings, self.metrics, self.cache_dir)
             except (OSError, ValueError) as e:  # a BundleError is a ValueError
                 raise unprocessable(f"model {spec.name!r}: cannot load bundle {str(spec.bundle)!r}: {e}") from None
+            for admit in self.admission:
+                admit(spec.name, model.info)
             await model.start(pool, wait=True)
             ready, detail = await model.readiness()
             if not ready:

@@ -25,6 +25,7 @@ from msn_serve.embedding.models import MSN_ALIAS
 from msn_serve.errors import ApiError, storage_error
 from msn_serve.http import oip, openai_api, routes
 from msn_serve.http.auth import KeyRing
+from msn_serve.http.embedder import LocalEmbedder
 from msn_serve.http.guard import GuardMiddleware
 from msn_serve.http.responses import StrictJSONResponse
 from msn_serve.metrics import MetricsMiddleware
@@ -89,6 +90,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
                   description="Masked Siamese Network embeddings, few-shot classifiers and FAISS search "
                               "over an exported bundle. All errors are JSON: {\"error\": ..., \"detail\"?: ...}.")
     app.state.runtime = runtime
+    app.state.embedder = LocalEmbedder(runtime)  # the embedding routes' path (msn_serve.http.embedder)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

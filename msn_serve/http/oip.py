@@ -11,21 +11,24 @@ takes (:mod:`msn_core.masks`). Output ``embedding`` FP32 [B,D]. Errors: ``{"erro
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from msn_core.bundle import BundleInfo
 from msn_core.masks import PAD, check_keep
-from msn_serve.embedding.models import ServedModel
+from msn_serve.embedding.models import ModelLookups, ServedModel
 from msn_serve.errors import ApiError, bad_request, not_found
+from msn_serve.http.embedder import Decode, Embedder, Items
 from msn_serve.http.inputs import off_loop
 from msn_serve.http.oip_tensors import HEADER, InferRequest, decompress, parse_request, split_body, tensors
 from msn_serve.http.schemas import inline_schema
 from msn_serve.jsontext import dumps, loads
 from msn_serve.masks import rejecting_masks, request_keep_idx
-from msn_serve.runtime import Runtime
+
+if TYPE_CHECKING:  # the HTTP worker processes import this module (infer_with): not the runtime
+    from msn_serve.runtime import Runtime
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 
@@ -44,12 +47,17 @@ def _rt(request: Request) -> Runtime:
 
 def _model(request: Request, model: str) -> ServedModel:
     """The model ``model`` names: a model's name, ``msn`` (the default model) or a model id (404 otherwise)."""
-    rt = _rt(request)
-    served = rt.models.resolve(model)
+    return _named(_rt(request).models, model)
+
+
+def _named(models: ModelLookups, model: str) -> Any:
+    """:func:`_model` in ``models`` (the registry, or an HTTP worker process's catalog of it)."""
+    served = models.resolve(model)
     if served is None:
-        names = ", ".join(repr(n) for n in rt.models.names())
-        raise not_found(f"unknown model {model[:80]!r}; this server serves {rt.info.model_id!r} (alias 'msn')"
-                        + (f" and the models {names}" if len(rt.models.models) > 1 else f", named {names}"))
+        names = ", ".join(repr(n) for n in models.names())
+        more = f" and the models {names}" if len(models.models) > 1 else f", named {names}"
+        raise not_found(f"unknown model {model[:80]!r}; this server serves {models.default.info.model_id!r} "
+                        f"(alias 'msn'){more}")
     return served
 
 
@@ -154,17 +162,22 @@ def oip_items(info: BundleInfo, t: dict[str, np.ndarray], mask: Any = None) -> l
     return list(zip(px, keeps, strict=True))
 
 
-def _parse_infer(body: bytes, encoding: str, header_length: str | None, info: BundleInfo,
-                 limit: int) -> tuple[InferRequest, list[tuple[np.ndarray, np.ndarray]]]:
-    """The request and its ``(pixels, keep_idx)`` rows from the raw body: decompression, the JSON header, tensors
-    (JSON ``data`` lists included) and their checks. Blocking; a large body runs it in a parser thread."""
+def _parse_infer(body: bytes, encoding: str, header_length: str | None,
+                 limit: int) -> tuple[InferRequest, dict[str, np.ndarray]]:
+    """The request and its tensors from the raw body: decompression, the JSON header, tensors (JSON ``data`` lists
+    included). Blocking; a large body runs it in a parser thread."""
     body = decompress(body, encoding, limit)
     head, binary = split_body(body, header_length)
     req = parse_request(head)
-    items = oip_items(info, tensors(req, binary, limit), req.parameters.mask)
+    return req, tensors(req, binary, limit)
+
+
+def _infer_items(info: BundleInfo, req: InferRequest, t: dict[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``(pixels, keep_idx)`` rows of a parsed request for the model of ``info``, and the output's check."""
+    items = oip_items(info, t, req.parameters.mask)
     if any(o.name != "embedding" for o in req.outputs or []):
         raise bad_request("the only output is 'embedding'")
-    return req, items
+    return items
 
 
 @router.post("/models/{model}/infer", openapi_extra={"requestBody": {"content": {"application/json": {
@@ -174,16 +187,25 @@ async def infer(model: str, request: Request, ver: str | None = None) -> Respons
     """Where the work runs: the body is received on the event loop; a body over
     :data:`~msn_serve.http.inputs.OFF_LOOP_ABOVE` bytes is parsed, converted to tensors and checked in the parser
     threads (as the native routes' bodies are), and a large JSON response is written there too."""
-    limit = _rt(request).settings.max_body_bytes
-    served = _model(request, model)
+    return await infer_with(request, request.app.state.embedder, model)
+
+
+async def infer_with(request: Request, embedder: Embedder, model: str) -> Response:
+    """OIP infer through ``embedder``: in this process, or prepared by an HTTP worker process. ``pixel_values`` are
+    the graph's input already: preparing them is checking them (and the mask) for the model that embeds."""
+    limit = embedder.settings.max_body_bytes
+    name = _named(embedder.models, model).name
     raw = await request.body()
-    req, items = await off_loop(len(raw), _parse_infer, raw, request.headers.get("content-encoding", "").lower(),
-                                request.headers.get(HEADER), served.info, limit)
-    served = _model(request, model)  # replaced while the body was parsed? the new one (the same input shape)
-    with served.use():
-        emb = await served.embedding.embed_items(items)
+    req, t = await off_loop(len(raw), _parse_infer, raw, request.headers.get("content-encoding", "").lower(),
+                            request.headers.get(HEADER), limit)
+
+    async def prepare(info: BundleInfo, _: Decode) -> Items:
+        return await off_loop(len(raw), _infer_items, info, req, t)
+
+    done = await embedder.embed(name, prepare, status=400)
+    emb = done.embeddings
     out: dict[str, Any] = {"name": "embedding", "datatype": "FP32", "shape": list(emb.shape)}
-    resp: dict[str, Any] = {"model_name": served.info.model_id, "model_version": "1", "outputs": [out]}
+    resp: dict[str, Any] = {"model_name": done.model_id, "model_version": "1", "outputs": [out]}
     if req.id is not None:
         resp["id"] = req.id
     if not req.binary_output:

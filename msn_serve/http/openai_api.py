@@ -21,7 +21,7 @@ import asyncio
 import base64
 import binascii
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
@@ -29,15 +29,20 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from msn_serve.embedding.models import MSN_ALIAS, ServedModel
+from msn_core.bundle import BundleInfo
+from msn_serve.config import Settings
+from msn_serve.embedding.models import MSN_ALIAS, ModelLookups, ServedModel
 from msn_serve.errors import ApiError
+from msn_serve.http.embedder import Decode, Embedder, Items
 from msn_serve.http.fields import MASK_DOC
 from msn_serve.http.inputs import off_loop
 from msn_serve.http.responses import StrictJSONResponse
 from msn_serve.http.url_fetch import fetch_image
 from msn_serve.jsontext import loads
 from msn_serve.masks import request_keep_idx
-from msn_serve.runtime import Runtime
+
+if TYPE_CHECKING:  # the HTTP worker processes import this module (embeddings_with): not the runtime
+    from msn_serve.runtime import Runtime
 
 PREFIX = "/v1/"
 FETCHES_AT_ONCE = 4  # URL inputs of one request fetched concurrently
@@ -76,17 +81,17 @@ def _rt(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def _check_model(rt: Runtime, model: Any) -> ServedModel:
+def _check_model(models: ModelLookups, model: Any) -> Any:
     """The model ``model`` names: a served name (what ``/v1/models`` lists as ``id``), ``msn`` (the default), or a
     bundle's model id when one served model has it (400 when several do: their vectors may come from different
     runtimes and precisions, so the caller picks)."""
     if not isinstance(model, str) or not model:
         raise _bad("model: expected a served model's id (GET /v1/models lists them)", "model")
-    served = rt.models.models
+    served = models.models
     if model in served:
         return served[model]
     if model == MSN_ALIAS:
-        return rt.models.default
+        return models.default
     named = [name for name, m in served.items() if m.info.model_id == model]
     if len(named) == 1:
         return served[named[0]]
@@ -116,10 +121,9 @@ def _decode(item: Any, i: int) -> bytes:
     return data
 
 
-async def _fetch_all(urls: dict[int, str], rt: Runtime) -> dict[int, bytes]:
+async def _fetch_all(urls: dict[int, str], s: Settings) -> dict[int, bytes]:
     """The URL inputs' bytes, fetched on worker threads, a few at a time; together they may hold no more than a
     request body (``max_body_mb``, 413 beyond), each no more than ``url_max_mb``."""
-    s = rt.settings
     budget = [s.max_body_bytes]
     gate = asyncio.Semaphore(FETCHES_AT_ONCE)
 
@@ -145,7 +149,8 @@ async def _fetch_all(urls: dict[int, str], rt: Runtime) -> dict[int, bytes]:
     return dict(zip(urls, fetched, strict=True))
 
 
-def _parse(body: bytes, rt: Runtime) -> tuple[dict[str, Any], dict[int, bytes], dict[int, str]]:
+def _parse(body: bytes, models: ModelLookups,
+           settings: Settings) -> tuple[dict[str, Any], dict[int, bytes], dict[int, str]]:
     """The request's fields, its decoded images and its URLs (by input index); the model, the fields and the
     count are checked before any image is decoded (the model again, by the route, once it is parsed)."""
     data = loads(body, "request body", status=400)
@@ -155,7 +160,7 @@ def _parse(body: bytes, rt: Runtime) -> tuple[dict[str, Any], dict[int, bytes], 
     if unknown:
         raise _bad(f"unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(FIELDS))}",
                    unknown[0])
-    info = _check_model(rt, data.get("model")).info
+    info = _check_model(models, data.get("model")).info
     if data.get("encoding_format", "float") not in ("float", "base64"):
         raise _bad("encoding_format: expected 'float' or 'base64'", "encoding_format")
     dims = data.get("dimensions")
@@ -170,27 +175,27 @@ def _parse(body: bytes, rt: Runtime) -> tuple[dict[str, Any], dict[int, bytes], 
     items = [raw] if isinstance(raw, str) else raw
     if not isinstance(items, list) or not items:
         raise _bad("input: expected an image (base64 data URL) or a non-empty list of them")
-    limit = rt.settings.max_images_per_request
+    limit = settings.max_images_per_request
     if len(items) > limit:
         raise OpenAIError(413, f"{len(items)} inputs exceed the limit of {limit} per request "
                                "(max_images_per_request)", param="input")
     urls = {i: s for i, s in enumerate(items) if isinstance(s, str) and s.startswith(("http://", "https://"))}
-    if urls and not rt.settings.allow_url_inputs:
+    if urls and not settings.allow_url_inputs:
         raise _bad(f"input[{min(urls)}]: URL inputs are disabled on this server (the operator enables them with "
                    "--allow-url-inputs); send the image as a base64 data URL")
     data["input"] = items
     return data, {i: _decode(s, i) for i, s in enumerate(items) if i not in urls}, urls
 
 
-async def _read(request: Request, rt: Runtime) -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
+async def _read(request: Request, embedder: Embedder) -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
     """The request's fields and its images as ``(name, bytes)``; a large body is parsed off the event loop, URL
     inputs are fetched on worker threads."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype not in ("application/json", ""):
         raise OpenAIError(415, f"unsupported content type {ctype!r}; send application/json")
     body = await request.body()
-    data, decoded, urls = await off_loop(len(body), _parse, body, rt)
-    decoded.update(await _fetch_all(urls, rt))
+    data, decoded, urls = await off_loop(len(body), _parse, body, embedder.models, embedder.settings)
+    decoded.update(await _fetch_all(urls, embedder.settings))
     return data, [(f"input[{i}]", decoded[i]) for i in range(len(data["input"]))]
 
 
@@ -234,16 +239,24 @@ async def embeddings(request: Request) -> Response:
     """OpenAI's embeddings endpoint for images: ``{"model", "input": [data URL, ...], "encoding_format"?,
     "mask"?}`` -> ``{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
     "usage"}``; ``usage`` counts kept patch tokens. Errors are OpenAI's error object."""
-    rt = _rt(request)
+    return await embeddings_with(request, request.app.state.embedder)
+
+
+async def embeddings_with(request: Request, embedder: Embedder) -> Response:
+    """``POST /v1/embeddings`` through ``embedder``: in this process, or prepared by an HTTP worker process."""
     try:
-        data, images = await _read(request, rt)
-        served = _check_model(rt, data["model"])
-        with served.use():
-            keeps = request_keep_idx(data.get("mask"), len(images), served.info.grid)  # MaskRejected: param "mask"
-            emb = await served.embedding.embed_images(images, keeps, normalize=False)
+        data, images = await _read(request, embedder)
+        name = _check_model(embedder.models, data["model"]).name
+
+        async def prepare(info: BundleInfo, decode: Decode) -> Items:
+            keeps = request_keep_idx(data.get("mask"), len(images), info.grid)  # MaskRejected: param "mask"
+            return list(zip(await decode(images), keeps, strict=True))
+
+        done = await embedder.embed(name, prepare, status=422)
     except ApiError as e:
         raise _as_openai(e) from None
-    body = await rt.work.run(_body, served.info.model_id, emb, keeps, data.get("encoding_format", "float"))
+    emb = done.embeddings
+    body = await off_loop(emb.size * 12, _body, done.model_id, emb, done.keeps, data.get("encoding_format", "float"))
     return Response(body, media_type="application/json")
 
 
@@ -267,7 +280,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/models/{model}")
 async def model(model: str, request: Request) -> dict[str, Any]:
     """One model's card (by served name, ``msn``, or a model id one model has); 404 in OpenAI's shape else."""
-    return _model_card(_check_model(_rt(request), model))
+    return _model_card(_check_model(_rt(request).models, model))
 
 
 class OpenAIErrorShape:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from starlette.responses import JSONResponse
 
-from msn_serve.classifiers.label_loop import IndexPage
 from msn_serve.jsontext import BoundedJson, dumps
+
+if TYPE_CHECKING:  # the HTTP worker processes import this module: not the services
+    from msn_serve.classifiers.label_loop import IndexPage
 
 
 class StrictJSONResponse(JSONResponse):

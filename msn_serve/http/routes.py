@@ -8,13 +8,16 @@ calls one service method with plain arguments, and renders what it gives back (:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
+from msn_core.bundle import BundleInfo
 from msn_serve.errors import NAME_RE, check_name, unprocessable
 from msn_serve.http.embed_response import NPY, RAW, embed_response, negotiate
+from msn_serve.http.embedder import Decode, Embedder, Items
 from msn_serve.http.inputs import M, read_request
 from msn_serve.http.label_schemas import PredictIndexRequest, SelectRequest, SuggestRequest
 from msn_serve.http.responses import StrictJSONResponse, index_page_body, predictions_body, search_body
@@ -28,7 +31,9 @@ from msn_serve.http.schemas import (
     SearchRequest,
 )
 from msn_serve.jsontext import loads
-from msn_serve.runtime import Runtime
+
+if TYPE_CHECKING:  # the HTTP worker processes import this module (embed_with): not the runtime
+    from msn_serve.runtime import Runtime
 
 router = APIRouter(default_response_class=StrictJSONResponse)
 # Stated in the OpenAPI document (and checked again by check_name, in Python, on every use).
@@ -70,14 +75,27 @@ async def embed(request: Request) -> Response:
     """Embed one or many images (optionally masked); returns ``embeddings`` (n, dim) and, for a masked request,
     the ``keep_idx`` each image was embedded with. ``Accept: application/octet-stream`` (raw little-endian
     float32, shape in ``X-Embedding-Shape``) or ``application/x-npy`` returns the matrix alone, without JSON."""
+    return await embed_with(request, request.app.state.embedder)
+
+
+async def embed_with(request: Request, embedder: Embedder) -> Response:
+    """``POST /embed`` through ``embedder``: in this process, or prepared by an HTTP worker process."""
     media = negotiate(request.headers.get("accept"))  # a 406 before any work
-    rt = _rt(request)
-    req = await _read(request, EmbedRequest)
-    model = rt.models.get(req.model)
-    with model.use():
-        req.resolve_masks(model.info.grid)
-        emb = await model.embedding.embed_images(req.images, req.keep_idx, normalize=req.normalize)
-    return embed_response(media, emb, req, model.info)
+    req = await read_request(request, EmbedRequest, embedder.settings)
+    name = embedder.models.get(req.model).name
+
+    async def prepare(info: BundleInfo, decode: Decode) -> Items:
+        req.resolve_masks(info.grid)
+        if not req.images:
+            raise unprocessable("no image: send files as 'image'/'images' (multipart) or base64 in JSON")
+        pixels = await decode(req.images)
+        return list(zip(pixels, req.keep_idx, strict=True))
+
+    done = await embedder.embed(name, prepare, status=422)
+    emb = done.embeddings
+    if req.normalize:
+        emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    return embed_response(media, emb, req, done)
 
 
 # ---- few-shot classifiers ---------------------------------------------------------------------------------------

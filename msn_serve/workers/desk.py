@@ -1,11 +1,11 @@
 """The engine stage: the engine process's end of one HTTP process's link.
 
-An embed call names ring slots; each slot's uint8 crop and kept indices go to the named model's batcher as views
-into the shared mapping (nothing is copied until the batch is packed and normalised), and the embeddings go back in
-the reply. The model is looked up and held (:meth:`ServedModel.use`) here, in the process that owns it, so a model
-replaced while the crop was being prepared is answered by the model served now when it prepares crops alike, and
-otherwise sends the HTTP process back to prepare them again (:data:`~msn_serve.workers.wire.STALE`). Request records
-and closed-connection counts from the HTTP process are applied here.
+An embed call names ring slots; each slot's prepared image (float32 ``(C, H, W)``, normalised) and kept indices go
+to the named model's batcher as views into the shared mapping (nothing is copied until the batch is packed), and the
+embeddings go back in the reply. The model is looked up and held (:meth:`ServedModel.use`) here, in the process that
+owns it, so a model replaced while the image was being prepared is answered by the model served now when it prepares
+images alike, and otherwise sends the HTTP process back to prepare them again (:data:`~msn_serve.workers.wire.STALE`).
+Request records and closed-connection counts from the HTTP process are applied here.
 """
 from __future__ import annotations
 
@@ -91,7 +91,12 @@ class EngineDesk:
             info = model.info
             if wire.preparation(info) != call.prepared_for:  # replaced meanwhile: the catalog went out before this
                 return wire.Reply(call.request, wire.STALE)
-            items = [(self.ring.crop(r.slot, r.height, r.width, r.channels), self.ring.keep(r.slot, r.kept))
-                     for r in call.images]
-            emb = await model.embedding.embed_items(items, status=422)
+            shape = (info.in_chans, info.image_size, info.image_size)
+            items = []
+            for r in call.images:
+                if (r.channels, r.height, r.width) != shape:
+                    raise ValueError(f"an image of shape {[r.channels, r.height, r.width]} for a model of {shape}")
+                pixels = self.ring.pixels(r.slot, r.channels, r.height, r.width)  # ValueError beyond the slot
+                items.append((pixels, self.ring.keep(r.slot, pixels.nbytes, r.kept)))
+            emb = await model.embedding.embed_items(items, status=call.status)
         return wire.Reply(call.request, 200, info.model_id, emb)

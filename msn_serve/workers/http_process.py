@@ -3,10 +3,11 @@
 It runs uvicorn with the server's own protocol (header timeout, header cap, connection limit:
 :mod:`msn_serve.http.server`) on connections the engine process accepted and handed over (``SCM_RIGHTS`` on a
 control socket, to the process with the fewest open connections: neither ``SO_REUSEPORT`` hashing nor a shared
-accept queue spreads keep-alive connections evenly). ``POST /embed`` runs its preparation and response stages here
-(:mod:`msn_serve.workers.prepare`); every other request goes to the engine process's app
-(:mod:`msn_serve.workers.proxy`). SIGTERM drains like uvicorn (in-flight requests finish, idle connections close);
-SIGHUP re-reads the keys file. When the engine process goes away, so does this process.
+accept queue spreads keep-alive connections evenly). The embedding routes (``POST /embed``, ``/v1/embeddings`` and
+OIP infer) run their preparation and response stages here (:mod:`msn_serve.workers.prepare`); every other request
+goes to the engine process's app (:mod:`msn_serve.workers.proxy`). SIGTERM drains like uvicorn (in-flight requests
+finish, idle connections close); SIGHUP re-reads the keys file. When the engine process goes away, so does this
+process.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from msn_serve.config import Settings
 from msn_serve.http.auth import KeyRing
 from msn_serve.http.guard import GuardMiddleware
+from msn_serve.http.openai_api import OpenAIErrorShape
 from msn_serve.http.server import uvicorn_options
 from msn_serve.workers.link import EngineLink
 from msn_serve.workers.prepare import EmbedStages
@@ -38,21 +40,24 @@ ENV = "MSN_HTTP_WORKER"  # the engine process's instructions to this process (JS
 
 
 class WorkerApp:
-    """``POST /embed`` through its stages here; everything else to the engine process."""
+    """The embedding routes through their stages here; everything else to the engine process. As in the single
+    process, the guard (auth, the body cap) runs first, inside OpenAI's error shape for ``/v1`` paths."""
 
     def __init__(self, settings: Settings, link: EngineLink, uds: str):
         self.link = link
         self.keys = KeyRing(settings.resolved_api_key(), settings.api_keys_file)
         self.stages = EmbedStages(settings, link)
-        self.guarded = GuardMiddleware(self._embed, keys=self.keys, max_body=settings.max_body_bytes)
+        self.guarded = OpenAIErrorShape(GuardMiddleware(self._embed, keys=self.keys, max_body=settings.max_body_bytes))
         self.proxy = CoreProxy(uds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if scope["method"] != "POST" or scope["path"] != "/embed":
+        matched = self.stages.match(scope["method"], scope["path"])
+        if matched is None:
             await self.proxy(scope, receive, send)
             return
+        template, scope["msn.route"], scope["msn.params"] = matched
         started, status = time.perf_counter(), 500
 
         async def tracking_send(message: dict[str, Any]) -> None:
@@ -64,10 +69,10 @@ class WorkerApp:
         try:
             await self.guarded(scope, receive, tracking_send)
         finally:
-            self.link.record("/embed", "POST", status, started)
+            self.link.record(template, "POST", status, started)
 
     async def _embed(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self.stages(Request(scope, receive))
+        response = await self.stages(scope["msn.route"], Request(scope, receive), scope["msn.params"])
         await response(scope, receive, send)
 
 
@@ -136,7 +141,7 @@ def main() -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[http {spec['index']}]: %(message)s")
     control = socket.socket(fileno=spec["control_fd"])
     link_sock = socket.socket(fileno=spec["link_fd"])
-    ring = CropRing(spec["ring_fd"], spec["slots"])
+    ring = CropRing(spec["ring_fd"], spec["slots"], spec["slot_bytes"])
     options = uvicorn_options(settings)
     options["http"].max_connections = spec["max_connections"]
     for key in ("host", "port"):

@@ -1,6 +1,6 @@
 """An HTTP process's link to the engine process: embed calls out, replies and the model catalog in.
 
-Each call takes its slots from the process's ring before its crops are written and gives them back only when the
+Each call takes its slots from the process's ring before its images are written and gives them back only when the
 engine's reply arrives, so a client that disconnects meanwhile never frees a slot the engine may still read. When the
 link closes (the engine process died), every waiting call is answered 503 and the HTTP process shuts down:
 the supervisor, or Kubernetes, restarts the whole server.
@@ -13,33 +13,35 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from msn_core.bundle import BundleInfo, parse_bundle_info
-from msn_serve.errors import ApiError, not_found
+from msn_serve.embedding.models import ModelLookups
+from msn_serve.errors import ApiError
 from msn_serve.workers import wire
 from msn_serve.workers.ring import CropRing, SlotPool
 
 log = logging.getLogger("msn_serve.workers")
 
 
-class Catalog:
-    """The models the engine process serves, as it last said: name -> bundle facts, and the default's name."""
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    info: BundleInfo
+
+
+class Catalog(ModelLookups):
+    """The models the engine process serves, as it last said (each one's name and bundle facts, the default first),
+    looked up as the engine process's registry looks them up."""
 
     def __init__(self, document: dict[str, Any]):
-        self.default: str = document["default"]
-        self.models: dict[str, BundleInfo] = {n: parse_bundle_info(d, where=f"model {n}")
-                                              for n, d in document["models"].items()}
-
-    def get(self, name: str | None) -> BundleInfo:
-        """As :meth:`msn_serve.embedding.models.ModelRegistry.get`: the default for None, 404 for an unknown name."""
-        info = self.models.get(self.default if name is None else name)
-        if info is None:
-            raise not_found(f"unknown model {str(name)[:80]!r}; this server serves "
-                            f"{', '.join(map(repr, self.models))} (GET /v1/models)")
-        return info
+        default = document["default"]
+        infos = {n: parse_bundle_info(d, where=f"model {n}") for n, d in document["models"].items()}
+        order = [default, *(n for n in infos if n != default)]
+        self.models: dict[str, CatalogModel] = {n: CatalogModel(n, infos[n]) for n in order}
 
 
 class EngineLink:
@@ -86,24 +88,29 @@ class EngineLink:
             self._pending.clear()
             self.on_lost()
 
-    async def embed(self, model: str | None, prepared_for: str, crops: list[np.ndarray],
-                    keeps: list[np.ndarray]) -> wire.Reply:
-        """Write the crops and their kept indices into free slots and wait for the engine's reply."""
+    async def embed(self, model: str | None, prepared_for: str, items: list[tuple[np.ndarray, np.ndarray]],
+                    status: int = 422) -> wire.Reply:
+        """Write the prepared images (float32 ``(C, H, W)``) and their kept indices into free slots and wait for the
+        engine's reply."""
         if self.lost:
             raise ApiError(503, "the engine process is gone; retry", headers={"Retry-After": "1"})
-        slots = self.slots.take(len(crops))
+        for pixels, keep in items:
+            if pixels.ndim != 3 or not self.ring.fits(4 * pixels.size, len(keep)):
+                raise ApiError(500, f"a prepared image of shape {list(pixels.shape)} with {len(keep)} kept patches "
+                                    f"does not fit this HTTP process's slots of {self.ring.slot_bytes} bytes")
+        slots = self.slots.take(len(items))
         if slots is None:
-            raise ApiError(503, f"this HTTP process's {self.ring.slots} crop slots are all in use (a full "
+            raise ApiError(503, f"this HTTP process's {self.ring.slots} image slots are all in use (a full "
                                 "inference queue); retry later", headers={"Retry-After": "1"})
         refs = []
-        for slot, crop, keep in zip(slots, crops, keeps, strict=True):
-            self.ring.write(slot, crop, keep)
-            h, w = crop.shape[:2]
-            refs.append(wire.ImageRef(slot, h, w, 1 if crop.ndim == 2 else crop.shape[2], len(keep)))
+        for slot, (pixels, keep) in zip(slots, items, strict=True):
+            self.ring.write(slot, np.asarray(pixels, dtype=np.float32), keep)
+            c, h, w = pixels.shape
+            refs.append(wire.ImageRef(slot, h, w, c, len(keep)))
         request = next(self._ids) & 0xFFFFFFFF
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending[request] = (future, slots)
-        self.writer.write(wire.embed_message(wire.EmbedCall(request, model, refs, prepared_for)))
+        self.writer.write(wire.embed_message(wire.EmbedCall(request, model, refs, prepared_for, status)))
         return await asyncio.shield(future)  # a cancelled request keeps its slots until the reply frees them
 
     # ---- what the engine process keeps for this one (metrics, connection counts) --------------------------------

@@ -24,11 +24,13 @@ from typing import Any
 
 import uvicorn
 
+from msn_core.bundle import BundleInfo
+from msn_serve.errors import unprocessable
 from msn_serve.http.server import json_response
 from msn_serve.runtime import Runtime
 from msn_serve.workers.desk import EngineDesk
 from msn_serve.workers.http_process import ENV
-from msn_serve.workers.ring import CropRing
+from msn_serve.workers.ring import CropRing, describe_input, image_bytes, slot_bytes_for
 
 log = logging.getLogger("msn_serve.workers")
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits before restarting a process that died, by deaths in a row
@@ -62,20 +64,38 @@ class Slot:
     def describe(self) -> dict[str, Any]:
         return {"index": self.index, "pid": self.proc.pid if self.proc else None, "live": self.live,
                 "open_connections": self.open_connections, "connections": self.connections,
-                "embed_calls": self.desk.calls_served if self.desk else 0, "restarts": self.restarts}
+                "embed_calls": self.desk.calls_served if self.desk else 0, "restarts": self.restarts,
+                "slots": self.ring.slots, "slot_bytes": self.ring.slot_bytes}
 
 
 class HttpWorkers:
     """``count`` HTTP processes around ``runtime``."""
 
     def __init__(self, runtime: Runtime, overrides: dict[str, Any], count: int, core_uds: str, slots: int):
+        # At least one request's worth: the largest request always fits a ring with nothing in flight.
+        slots = max(slots, runtime.settings.max_images_per_request)
         self.runtime, self.overrides, self.core_uds, self.slots = runtime, overrides, core_uds, slots
-        self.workers = [Slot(i, CropRing.create(slots, f"msn-crops-{i}")) for i in range(count)]
+        infos = [m.info for m in runtime.models.models.values()]
+        self.slot_bytes = slot_bytes_for(infos)  # every model served now fits; one added later must fit too
+        self.sized_for = max(infos, key=image_bytes)
+        self.workers = [Slot(i, CropRing.create(slots, self.slot_bytes, f"msn-crops-{i}")) for i in range(count)]
+        log.info("HTTP process rings: %d slots of %d bytes each (%s, model %s), pages touched only where written",
+                 slots, self.slot_bytes, describe_input(self.sized_for), self.sized_for.model_id)
+        runtime.models.admission.append(self._admit)
         limit = runtime.settings.max_connections
         self.max_connections = -(-limit // count)  # the server-wide limit, shared out (connections are balanced)
         self.stopping = False
         self._watch: asyncio.Task | None = None
         runtime.model_listeners.append(self._send_catalogs)
+
+    def _admit(self, name: str, info: BundleInfo) -> None:
+        """Refuse a model added while serving whose images would not fit the slots sized at start-up."""
+        if image_bytes(info) > self.slot_bytes:
+            raise unprocessable(
+                f"model {name!r}: its images ({describe_input(info)}: {image_bytes(info)} bytes) do not fit the "
+                f"HTTP processes' shared-memory slots of {self.slot_bytes} bytes, sized at start-up for the largest "
+                f"model served then ({describe_input(self.sized_for)}); restart msn-serve with this bundle among "
+                "its --bundle models (the slots are sized for the largest), or serve it with --http-workers 0")
 
     async def start(self) -> None:
         await asyncio.gather(*(self._spawn(w) for w in self.workers))
@@ -87,6 +107,7 @@ class HttpWorkers:
         link, link_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spec = {"index": worker.index, "overrides": self.overrides, "control_fd": control_child.fileno(),
                 "link_fd": link_child.fileno(), "ring_fd": worker.ring.fd, "slots": self.slots,
+                "slot_bytes": self.slot_bytes,
                 "core_uds": self.core_uds, "max_connections": self.max_connections}
         env = {**os.environ, ENV: json.dumps(spec)}
         # Popen returns once the child is forked: nothing here waits on the process.

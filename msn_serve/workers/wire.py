@@ -1,9 +1,10 @@
 """The messages between an HTTP process and the engine process: small, length-prefixed, over a local socket.
 
-Pixels never travel here: an embed request names the ring slots its crops wait in (:mod:`msn_serve.workers.ring`).
+Pixels never travel here: an embed request names the ring slots its images wait in (:mod:`msn_serve.workers.ring`).
 
-- ``E`` (HTTP -> engine) embed: request id, model name, what the crops were prepared for (:func:`preparation`), and
-  per image its slot, crop shape and kept-patch count.
+- ``E`` (HTTP -> engine) embed: request id, model name, what the images were prepared for (:func:`preparation`),
+  the status that answers non-finite embeddings (the route's: 422, or 400 under OIP), and per image its slot, shape
+  ``(C, H, W)`` and kept-patch count.
 - ``R`` (engine -> HTTP) the answer: status 200 with the model id and the float32 embeddings, :data:`STALE` when
   the model was replaced by one that prepares crops otherwise (prepare again from the new catalog), or an error
   status with its JSON body (``{"error", "headers"}``); the slots of the request are free again once it arrives.
@@ -26,7 +27,7 @@ import numpy as np
 from msn_core.bundle import BundleInfo
 
 _LEN = struct.Struct("<I")
-_EMBED = struct.Struct("<IHHH")  # request id, image count, model name length, preparation length
+_EMBED = struct.Struct("<IHHHH")  # request id, image count, model name length, preparation length, status
 _IMAGE = struct.Struct("<IHHBH")  # slot, height, width, channels, kept patches
 _REPLY = struct.Struct("<IHHHH")  # request id, status, count, dim, model id length
 MAX_MESSAGE = 64 << 20
@@ -47,14 +48,16 @@ class EmbedCall:
     request: int
     model: str | None  # None: the default model
     images: list[ImageRef]
-    prepared_for: str = ""  # preparation(info) of the model the crops and masks were made for
+    prepared_for: str = ""  # preparation(info) of the model the images and masks were made for
+    status: int = 422  # the answer to non-finite embeddings
 
 
 def preparation(info: BundleInfo) -> str:
-    """What a crop and its kept indices depend on (normalisation is the engine's own): equal for two models means
-    crops prepared for one are right for the other."""
+    """What a prepared image and its kept indices depend on (decoding, the crop, normalisation, the patch grid, the
+    graph's input shape): equal for two models means images prepared for one are right for the other."""
     p = info.preprocessing
-    return f"{p.resize}/{p.crop}/{p.channels}/{p.interpolation}/{info.grid}"
+    return (f"{p.resize}/{p.crop}/{p.channels}/{p.interpolation}/{list(p.mean)}/{list(p.std)}/{info.grid}/"
+            f"{info.in_chans}x{info.image_size}")
 
 
 @dataclass(frozen=True)
@@ -81,19 +84,19 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 def embed_message(call: EmbedCall) -> bytes:
     name, prepared = (call.model or "").encode(), call.prepared_for.encode()
-    parts = [_EMBED.pack(call.request, len(call.images), len(name), len(prepared)), name, prepared]
+    parts = [_EMBED.pack(call.request, len(call.images), len(name), len(prepared), call.status), name, prepared]
     parts += [_IMAGE.pack(i.slot, i.height, i.width, i.channels, i.kept) for i in call.images]
     return frame(b"E", b"".join(parts))
 
 
 def parse_embed(payload: bytes) -> EmbedCall:
-    request, count, name_len, prepared_len = _EMBED.unpack_from(payload)
+    request, count, name_len, prepared_len, status = _EMBED.unpack_from(payload)
     at = _EMBED.size
     name = payload[at: at + name_len].decode()
     prepared = payload[at + name_len: at + name_len + prepared_len].decode()
     at += name_len + prepared_len
     images = [ImageRef(*_IMAGE.unpack_from(payload, at + i * _IMAGE.size)) for i in range(count)]
-    return EmbedCall(request, name or None, images, prepared)
+    return EmbedCall(request, name or None, images, prepared, status)
 
 
 def reply_message(reply: Reply) -> bytes:

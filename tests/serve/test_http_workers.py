@@ -7,6 +7,7 @@ suite also runs with workers on: ``MSN_TEST_HTTP_WORKERS=2 pytest tests/serve`` 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from serve_helpers import Server, encode, random_image
+from serve_helpers import PREPROCESSING, Server, encode, random_image
 
 from msn_serve.config import Settings
 from msn_serve.runtime import Runtime
@@ -73,6 +74,60 @@ def test_embeddings_are_bit_identical_to_the_single_process(workers: Server, ser
             assert a.content == b.content and a.headers["x-kept-tokens"] == b.headers["x-kept-tokens"]
             ja, jb = w.post("/embed", **kwargs).json(), s.post("/embed", **kwargs).json()
             assert ja == jb
+
+
+def _worker_calls(srv: Server) -> int:
+    """Embed calls the HTTP processes sent to the engine process: requests that took the worker path."""
+    return sum(p["embed_calls"] for p in _front_end(srv)["processes"])
+
+
+def _oip(pixels: np.ndarray, keep: np.ndarray | None = None, *, binary: bool = False,
+         parameters: dict | None = None) -> dict:
+    """An OIP infer request's httpx arguments: JSON tensors, or Triton's binary extension (binary output too)."""
+    inputs = [("pixel_values", "FP32", pixels)] + ([("keep_idx", "INT64", keep)] if keep is not None else [])
+    head: dict = {"inputs": [], "parameters": dict(parameters or {})}
+    blobs = []
+    for name, dtype, arr in inputs:
+        spec = {"name": name, "shape": list(arr.shape), "datatype": dtype}
+        if binary:
+            blobs.append(arr.astype("<f4" if dtype == "FP32" else "<i8").tobytes())
+            spec["parameters"] = {"binary_data_size": len(blobs[-1])}
+        else:
+            spec["data"] = arr.reshape(-1).tolist()
+        head["inputs"].append(spec)
+    if not binary:
+        return {"json": head}
+    head["parameters"]["binary_data_output"] = True
+    text = json.dumps(head).encode()
+    return {"content": text + b"".join(blobs), "headers": {"Inference-Header-Content-Length": str(len(text)),
+                                                           "content-type": "application/octet-stream"}}
+
+
+def test_v1_and_oip_take_the_worker_path_with_the_single_process_bits(workers: Server, server: Server):
+    """/v1/embeddings and OIP infer are prepared in the HTTP processes like /embed (decoded, cropped, normalised;
+    OIP's pixel_values checked) and answer the single process's bytes: masked or not, one input or several, JSON or
+    binary tensors, floats or base64."""
+    urls = [f"data:image/png;base64,{base64.b64encode(d).decode()}" for d in IMAGES]
+    rng = np.random.default_rng(5)
+    pixels = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
+    keep = np.array([[0, 5, 9, -1], [1, 2, 3, 4], [7, -1, -1, -1]])
+    cases = [
+        ("/v1/embeddings", {"json": {"model": "msn", "input": urls[0]}}),
+        ("/v1/embeddings", {"json": {"model": "default", "input": urls, "encoding_format": "base64"}}),
+        ("/v1/embeddings", {"json": {"model": "msn", "input": urls[:2], "mask": [{"ratio": 0.5, "seed": 1},
+                                                                                {"keep_idx": [0, 3]}]}}),
+        ("/v2/models/msn/infer", _oip(pixels[:1])),
+        ("/v2/models/msn/infer", _oip(pixels, keep)),
+        ("/v2/models/msn/versions/1/infer", _oip(pixels, keep, binary=True)),
+        ("/v2/models/default/infer", _oip(pixels[:2], parameters={"mask": '{"ratio": 0.7, "seed": 2}'})),
+    ]
+    before = _worker_calls(workers)
+    with workers.client() as w, server.client() as s:
+        for path, kwargs in cases:
+            a, b = w.post(path, **kwargs), s.post(path, **kwargs)
+            assert a.status_code == b.status_code == 200, (path, a.text, b.text)
+            assert a.content == b.content and a.headers["content-type"] == b.headers["content-type"], path
+    assert _worker_calls(workers) - before == len(cases)  # none was forwarded to the engine process's app
 
 
 def test_every_other_route_answers_as_the_single_process(workers: Server, server: Server):
@@ -142,16 +197,119 @@ def test_bad_input_gets_the_single_process_answer(workers: Server, server: Serve
         ({"json": {"images": "not a list"}}, {}),
         ({"json": {}}, {}),
     ]
+    png = f"data:image/png;base64,{base64.b64encode(IMAGES[0]).decode()}"
+    px = np.zeros((1, 3, 32, 32), np.float32)
+    other = [  # /v1 (OpenAI's error object) and OIP: the same answers from the HTTP processes' stages
+        ("/v1/embeddings", {"json": {"model": "msn", "input": "data:image/png;base64,!!"}}),
+        ("/v1/embeddings", {"json": {"model": "msn", "input": [png, "data:image/png;base64,aGVsbG8="]}}),
+        ("/v1/embeddings", {"json": {"model": "nope", "input": png}}),
+        ("/v1/embeddings", {"json": {"model": "msn", "input": png, "mask": {"ratio": 2}}}),
+        ("/v1/embeddings", {"json": {"model": "msn", "input": png, "colour": 1}}),
+        ("/v1/embeddings", {"content": b"x", "headers": {"content-type": "text/plain"}}),
+        ("/v2/models/nope/infer", _oip(px)),
+        ("/v2/models/msn/infer", _oip(np.zeros((1, 3, 16, 16), np.float32))),
+        ("/v2/models/msn/infer", _oip(px, np.array([[0, 64]]))),
+        ("/v2/models/msn/infer", _oip(px, np.array([[1]]), parameters={"mask": '{"ratio": 0.5}'})),
+        ("/v2/models/msn/infer", _oip(np.full((1, 3, 32, 32), 3e38, np.float32))),
+        ("/v2/models/msn/infer", {"content": b"{", "headers": {"content-type": "application/json"}}),
+    ]
     with workers.client() as w, server.client() as s:
         for kwargs, headers in cases:
             kw = {**kwargs, "headers": {**kwargs.get("headers", {}), **headers}}
             a, b = w.post("/embed", **kw), s.post("/embed", **kw)
             assert 400 <= a.status_code < 500 and a.status_code == b.status_code, (a.text, b.text)
             assert a.json() == b.json()
+        for path, kw in other:
+            a, b = w.post(path, **kw), s.post(path, **kw)
+            assert 400 <= a.status_code < 500 and a.status_code == b.status_code, (path, a.text, b.text)
+            assert a.json() == b.json(), path
         head = _raw(workers, b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                              b"content-length: 1000000000\r\n\r\n{")
         assert head.startswith(b"HTTP/1.1 413") and b"max_body_mb" in head  # refused before the body is read
         assert w.post("/embed", files={"image": IMAGES[0]}).status_code == 200  # still serving
+
+
+BIG = 576  # px: a crop over the 512 x 512 x 3 the slots were once fixed at
+
+
+@pytest.fixture(scope="module")
+def big_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose input, 3 x 576 x 576 float32 (3.98 MB), is larger than anything else served here; tiny
+    otherwise (width 32, depth 1, 12 x 12 patches of 48 px)."""
+    import torch
+
+    from training.bundle.export import export_bundle
+    from training.model.vit import VisionTransformer
+
+    torch.manual_seed(2)
+    encoder = VisionTransformer(image_size=BIG, patch_size=48, embed_dim=32, depth=1, num_heads=2)
+    out = tmp_path_factory.mktemp("big") / "big"
+    export_bundle(encoder, out, arch="vit_tiny", preprocessing={**PREPROCESSING, "resize": 600, "crop": BIG},
+                  feature="cls_pre_norm", parity_check=False)  # the graph's parity is the export tests' business
+    return out
+
+
+def test_a_crop_over_512_px_fits_slots_sized_for_the_largest_model(big_bundle: Path, bundle_dir: Path,
+                                                                   workers: Server, tmp_path: Path):
+    """Slots are sized at start-up for the largest model served (here not the default one), so a 576-px model's
+    images, masked or not, through /embed, /v1 and OIP, embed as one process embeds them (the same runtime, in
+    this process); a server whose slots were sized for smaller models refuses such a model added while serving,
+    naming the sizes, and keeps serving what it served."""
+    import asyncio
+
+    from msn_core.bundle import load_bundle_info
+    from msn_serve.embedding.preprocess import preprocess_bytes
+    from msn_serve.masks import request_keep_idx
+    from msn_serve.workers.ring import image_bytes
+
+    info = load_bundle_info(big_bundle)
+    images = [encode(random_image(7, 640, 700), "JPEG", quality=90), encode(random_image(8, 600, 600))]
+    full = np.arange(info.num_patches)
+    masked = request_keep_idx({"ratio": 0.5, "seed": 3}, 1, info.grid)
+    pixels = preprocess_bytes(images[0], info.preprocessing, max_pixels=10**8)[None]
+    srv = Server(f"tiny={bundle_dir}", tmp_path / "data", "--bundle", f"big={big_bundle}", "--http-workers", "2",
+                 "--max-batch-size", "4").start()
+    try:
+        assert all(p["slot_bytes"] >= image_bytes(info) for p in _front_end(srv)["processes"])
+        with srv.client() as c:
+            answers = [
+                c.post("/embed", headers=RAW, files=[("images", d) for d in images], data={"model": "big"}),
+                c.post("/embed", headers=RAW, files={"image": images[1]},
+                       data={"model": "big", "mask": '{"ratio": 0.5, "seed": 3}'}),
+                c.post("/v2/models/big/infer", **_oip(pixels, binary=True)),
+                c.post("/v1/embeddings", json={"model": "big", "encoding_format": "base64",
+                                               "input": base64.b64encode(images[0]).decode()}),
+            ]
+        assert [a.status_code for a in answers] == [200] * 4, [a.text[:300] for a in answers]
+    finally:
+        srv.stop()
+    runtime = Runtime(Settings(bundle=[str(big_bundle)], data_dir=tmp_path / "one", precision="fp32",
+                               runtime="onnxruntime", intra_op_threads=1, max_batch_size=4))
+
+    async def one_process() -> list[np.ndarray]:
+        await runtime.start()
+        try:
+            emb = runtime.models.default.embedding
+            return [await emb.embed_images([("a", images[0]), ("b", images[1])], [full, full]),
+                    await emb.embed_images([("b", images[1])], masked),
+                    await emb.embed_items([(pixels[0], full)]),
+                    await emb.embed_images([("a", images[0])], [full])]
+        finally:
+            await runtime.stop()
+
+    expected = asyncio.run(one_process())
+    got = [np.frombuffer(a.content, "<f4") for a in answers[:2]]
+    got.append(np.frombuffer(answers[2].content[int(answers[2].headers["inference-header-content-length"]):], "<f4"))
+    got.append(np.frombuffer(base64.b64decode(answers[3].json()["data"][0]["embedding"]), "<f4"))
+    for g, e in zip(got, expected, strict=True):
+        assert g.tobytes() == e.astype("<f4").tobytes()
+
+    with workers.client() as c:  # slots sized for the 32-px model: the 576-px one is refused, nothing changes
+        r = c.put("/admin/models/huge", json={"bundle": str(big_bundle)})
+        assert r.status_code == 422, r.text
+        assert "3 x 576 x 576" in r.json()["error"] and "3 x 32 x 32" in r.json()["error"]
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["default"]
+        assert c.post("/embed", files={"image": IMAGES[0]}).status_code == 200
 
 
 def test_connections_spread_evenly_over_the_http_processes(workers: Server):
@@ -169,13 +327,46 @@ def test_connections_spread_evenly_over_the_http_processes(workers: Server):
     assert max(added) - min(added) <= 2, added  # the readyz probes' own connections land anywhere
 
 
-def test_full_slots_answer_503_with_retry_after(bundle_dir: Path, tmp_path: Path):
-    srv = Server(bundle_dir, tmp_path / "data", "--http-workers", "1", "--http-worker-slots", "1").start()
+def test_full_slots_answer_503_and_no_slot_is_overrun(bundle_dir: Path, tmp_path: Path):
+    """The link's own checks, on a ring of one page-sized slot: two images find one slot (503 + Retry-After), an
+    image larger than a slot is refused (500 naming the sizes) with nothing written; and a server never has fewer
+    slots than its largest request (``--http-worker-slots 1`` serves two images)."""
+    import asyncio
+
+    from msn_serve.errors import ApiError
+    from msn_serve.workers.link import EngineLink
+    from msn_serve.workers.ring import PAGE, CropRing
+
+    ring = CropRing.create(1, PAGE)
+
+    async def refused(items: list) -> ApiError:
+        here, there = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=here)
+        link = EngineLink(reader, writer, ring, on_lost=lambda: None)
+        try:
+            await link.embed(None, "", items)
+        except ApiError as e:
+            return e
+        finally:
+            writer.close()
+            there.close()
+        raise AssertionError("not refused")
+
+    small = (np.ones((3, 8, 8), np.float32), np.arange(4))
+    full = asyncio.run(refused([small, small]))
+    assert full.status == 503 and full.headers["Retry-After"] == "1" and "slots" in full.message
+    big = asyncio.run(refused([(np.ones((3, 64, 64), np.float32), np.arange(4))]))
+    assert big.status == 500 and "[3, 64, 64]" in big.message and f"{PAGE} bytes" in big.message
+    assert not ring._buf.any()  # nothing was written
+    with pytest.raises(ValueError, match="does not fit"):
+        ring.write(0, np.ones((3, 32, 32), np.float32), np.arange(1))
+
+    srv = Server(bundle_dir, tmp_path / "data", "--http-workers", "1", "--http-worker-slots", "1",
+                 "--max-images-per-request", "2").start()
     try:
+        assert [p["slots"] for p in _front_end(srv)["processes"]] == [2]
         with srv.client() as c:
-            r = c.post("/embed", files=[("images", IMAGES[0]), ("images", IMAGES[1])])
-            assert r.status_code == 503 and r.headers["retry-after"] == "1" and "slots" in r.json()["error"]
-            assert c.post("/embed", files={"image": IMAGES[0]}).status_code == 200  # the one slot works
+            assert c.post("/embed", files=[("images", IMAGES[0]), ("images", IMAGES[1])]).status_code == 200
     finally:
         srv.stop()
 
@@ -288,13 +479,13 @@ def test_crops_prepared_for_a_replaced_model_are_sent_back_to_prepare_again(bund
 
     from msn_serve.workers import wire
     from msn_serve.workers.desk import EngineDesk
-    from msn_serve.workers.ring import CropRing
+    from msn_serve.workers.ring import CropRing, slot_bytes_for
 
     runtime = Runtime(Settings(bundle=[str(bundle_dir)], data_dir=tmp_path / "data", precision="fp32",
                                runtime="onnxruntime", intra_op_threads=1))
     info = runtime.models.default.info
-    ring = CropRing.create(2)
-    ring.write(0, np.zeros((info.image_size, info.image_size, 3), np.uint8), np.arange(info.num_patches))
+    ring = CropRing.create(2, slot_bytes_for([info]))
+    ring.write(0, np.zeros((3, info.image_size, info.image_size), np.float32), np.arange(info.num_patches))
 
     async def call(prepared_for: str) -> wire.Reply:
         await runtime.start()
@@ -304,7 +495,7 @@ def test_crops_prepared_for_a_replaced_model_are_sent_back_to_prepare_again(bund
         desk = EngineDesk(runtime, ring, reader, writer, on_closed=lambda n: None)
         served = asyncio.get_running_loop().create_task(desk.serve())
         w_reader, w_writer = await asyncio.open_connection(sock=there)
-        ref = wire.ImageRef(0, info.image_size, info.image_size, 3, info.num_patches)
+        ref = wire.ImageRef(0, info.image_size, info.image_size, 3, info.num_patches)  # (C, H, W) = (3, S, S)
         w_writer.write(wire.embed_message(wire.EmbedCall(7, None, [ref], prepared_for)))
         replies = []
         while not replies:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,13 +62,16 @@ def test_an_adaptation_round_trips_through_its_record():
 def test_a_stalled_run_adapts_once_checkpoints_it_and_a_resume_keeps_it(tmp_path):
     """A tiny run at a learning rate ~900x below the rule, with --on-stall adapt: the stall is warned, the run
     switches to the advised learning rate at that step (log, metrics, config.yaml, checkpoint), trains on at it,
-    and a resumed run continues with it without adapting again."""
+    and a resumed run continues with it without adapting again. One thread each: torch's default of one a core makes
+    a model this small spin its threads against the rest of the suite (4-5x the CPU time on a shared 2-core machine)."""
     out = tmp_path / "run"
     sets = [*TINY, "optim.total_steps=1200", "run.checkpoint_every_steps=50", "optim.lr=1e-7", "optim.start_lr=1e-7",
             "run.precision=fp32"]
     command = [sys.executable, str(REPO / "training" / "pretrain.py"), "--output-dir", str(out), "--on-stall",
                "adapt", "--set", *sets]
-    first = subprocess.run([*command, "run.max_steps=130"], capture_output=True, text=True, timeout=300, check=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([*command, "run.max_steps=130"], env=env, capture_output=True, text=True, timeout=300,
+                           check=False)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "run.on_stall=adapt: switching" in first.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -81,8 +85,8 @@ def test_a_stalled_run_adapts_once_checkpoints_it_and_a_resume_keeps_it(tmp_path
         "optim.lr"] > 1e-5
     checkpoint = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
     assert checkpoint["adapted"]["step"] == step and checkpoint["config"]["optim"]["lr"] > 1e-5
-    resumed = subprocess.run([*command, "run.max_steps=140", "--resume"], capture_output=True, text=True, check=False,
-                             timeout=300)
+    resumed = subprocess.run([*command, "run.max_steps=140", "--resume"], env=env, capture_output=True, text=True,
+                             check=False, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "switching" not in resumed.stderr  # once per run
     config = yaml.safe_load((out / "config.yaml").read_text())

@@ -106,3 +106,29 @@ def test_disabled_monitor_writes_nothing_and_never_probes(tmp_path):
     record = monitor.log(1, 0, _healthy(), final=True)
     monitor.close()
     assert record["step"] == 1 and probe.last_step is None and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_warning_never_shares_a_line_with_the_progress_bar(tmp_path, monkeypatch):
+    """While the bar is shown, a log line to the console goes through tqdm: on a line of its own, the bar drawn again
+    below it; once the monitor is closed, the console handler is the run's own again."""
+    import io
+    import re
+    import sys
+
+    console = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", console)  # the bar's stream, and the console handler's
+    handler = logging.StreamHandler(console)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        monitor = TrainingMonitor(tmp_path, enabled=True, total_steps=10, start_step=0, progress_bar=True)
+        monitor.step(8)
+        logging.getLogger("msn.train").warning("the run looks stalled")
+        monitor.step(8)
+        monitor.close()
+        assert handler in root.handlers
+    finally:
+        root.removeHandler(handler)
+    lines = [seg for seg in re.split(r"[\r\n]", console.getvalue()) if "stalled" in seg]
+    assert lines == ["the run looks stalled"], console.getvalue()
+    assert "step" in console.getvalue()  # the bar was drawn

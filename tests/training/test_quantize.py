@@ -20,7 +20,9 @@ from training.bundle import export
 from training.bundle.quantize import QuantizeOptions
 
 __all__ = ["exported"]  # the module fixture, shared with test_export
-SMALL = ["--calibration-data", "synthetic", "--calibration-images", "32", "--guard-images", "256"]
+# One ONNX Runtime thread (all cores spin against the rest of the suite) and 0.2 s of timing per graph, as OPTIONS
+SMALL = ["--calibration-data", "synthetic", "--calibration-images", "32", "--guard-images", "256",
+         "--quantize-threads", "1", "--quantize-speed-seconds", "0.2"]
 OPTIONS = QuantizeOptions(method="dynamic", data="synthetic", calibration_images=32, guard_images=256,
                           speed_seconds=0.2)
 

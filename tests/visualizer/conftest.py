@@ -62,6 +62,27 @@ def tiny_guided_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenmap_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A decoder on the token map (cond.feature=token_map, the inpainting view), trained 2 steps."""
+    from visualizer.train import train
+
+    out = tmp_path_factory.mktemp("viz-run-tokenmap") / "tokenmap"
+    train(tiny_config("optim.max_steps=2", "cond.feature=token_map", "model.map_channels=4",
+                      "model.global_mlp=true", "run.quality_images=0"), tiny_bundle, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_regression_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A regression decoder (model.kind=regression) on the default CLS feature, trained 2 steps."""
+    from visualizer.train import train
+
+    out = tmp_path_factory.mktemp("viz-run-regression") / "regression"
+    train(tiny_config("optim.max_steps=2", "model.kind=regression"), tiny_bundle, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def sample_png(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 48x40 colour picture (non-square, so resize + centre crop are exercised)."""
     rng = np.random.default_rng(0)

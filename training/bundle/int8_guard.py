@@ -113,19 +113,29 @@ def _cosine_stats(c: np.ndarray) -> dict[str, float]:
 
 def run_guard(bundle_dir: Path, int8_path: Path, data: GuardData, preprocessing: Preprocessing, *,
               thresholds: GuardThresholds | None = None, batch_size: int = 64, threads: int = 0,
-              seed: int = 0) -> dict[str, Any]:
-    """Compare the int8 graph with ``bundle_dir``'s fp32 graph; ``passed`` and ``failures`` say how it went."""
+              seed: int = 0, reference: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Compare the int8 graph with ``bundle_dir``'s fp32 graph; ``passed`` and ``failures`` say how it went.
+
+    ``reference``: a dict passed again to each call on the same bundle, data, preprocessing and seed (one per
+    candidate graph); the fp32 graph's features and low-shot accuracy, which do not depend on the int8 graph, are
+    kept in it by the first call and reused by the others instead of being computed again."""
     thresholds = thresholds or GuardThresholds()
-    embedders = {"fp32": OnnxEmbedder(bundle_dir, intra_op_threads=threads),
-                 "int8": OnnxEmbedder(bundle_dir, model_path=int8_path, intra_op_threads=threads)}
+    cache = {} if reference is None else reference
+    int8_embedder = OnnxEmbedder(bundle_dir, model_path=int8_path, intra_op_threads=threads)
 
-    def features(dataset, indices, mask_ratio: float = 0.0) -> dict[str, Any]:
-        return {name: extract_features(dataset, emb, preprocessing=preprocessing, indices=indices,
-                                       batch_size=batch_size, mask_ratio=mask_ratio, mask_seed=seed, progress=False)
-                for name, emb in embedders.items()}
+    def extract(dataset, indices, mask_ratio: float, embedder) -> Any:
+        return extract_features(dataset, embedder, preprocessing=preprocessing, indices=indices,
+                                batch_size=batch_size, mask_ratio=mask_ratio, mask_seed=seed, progress=False)
 
-    held = features(data.heldout, data.heldout_idx)
-    masked = features(data.heldout, data.heldout_idx[:2000], MASKED_RATIO)
+    def features(what: str, dataset, indices, mask_ratio: float = 0.0) -> dict[str, Any]:
+        if what not in cache:
+            if "embedder" not in cache:
+                cache["embedder"] = OnnxEmbedder(bundle_dir, intra_op_threads=threads)
+            cache[what] = extract(dataset, indices, mask_ratio, cache["embedder"])
+        return {"fp32": cache[what], "int8": extract(dataset, indices, mask_ratio, int8_embedder)}
+
+    held = features("heldout", data.heldout, data.heldout_idx)
+    masked = features("masked", data.heldout, data.heldout_idx[:2000], MASKED_RATIO)
     cos = _cosines(held["fp32"].features, held["int8"].features)
     cos_masked = _cosines(masked["fp32"].features, masked["int8"].features)
     report: dict[str, Any] = {"thresholds": asdict(thresholds), "data": data.describe(),
@@ -136,14 +146,19 @@ def run_guard(bundle_dir: Path, int8_path: Path, data: GuardData, preprocessing:
     report["lowshot"], report["lowshot_skipped"] = None, data.lowshot_skipped
     if data.subsets is not None:
         union = _union(data.subsets)
-        labelled = features(data.train, union)
+        labelled = features("labelled", data.train, union)
         row = {int(i): r for r, i in enumerate(union)}
         remapped = {k: [np.array([row[int(i)] for i in idx]) for idx in v] for k, v in data.subsets.items()}
         with warnings.catch_warnings():  # cyanure's "max_iter was reached": msn-eval's settings, same for both
             warnings.simplefilter("ignore")
-            accuracy = {name: {r.setting: r.mean for r in summarize(
-                labelled[name].features, labelled[name].labels, held[name].features, held[name].labels, remapped)}
-                for name in embedders}
+
+            def lowshot(name: str) -> dict[str, float]:
+                return {r.setting: r.mean for r in summarize(labelled[name].features, labelled[name].labels,
+                                                             held[name].features, held[name].labels, remapped)}
+
+            if "lowshot" not in cache:
+                cache["lowshot"] = lowshot("fp32")
+            accuracy = {"fp32": cache["lowshot"], "int8": lowshot("int8")}
         report["lowshot"] = {}
         for setting in data.subsets:
             fp32, int8 = accuracy["fp32"][setting], accuracy["int8"][setting]

@@ -211,12 +211,13 @@ def quantize_bundle(bundle_dir: Path, options: QuantizeOptions, training: dict |
     feeds = calibration_feeds(bundle_dir, data, seed=options.seed)
     methods = INT8_METHODS if options.method == "auto" else (options.method,)
     candidates: dict[str, dict[str, Any]] = {}
+    reference: dict[str, Any] = {}  # the fp32 side of the guard, the same for every candidate: computed once
     for method in methods:
         path = bundle_dir / f".candidate-{method}.onnx"
         started = time.perf_counter()
         settings = quantize_graph(info.onnx_path, path, method, feeds)
         guard = run_guard(bundle_dir, path, data, info.preprocessing, thresholds=options.thresholds,
-                          threads=options.threads, seed=options.seed)
+                          threads=options.threads, seed=options.seed, reference=reference)
         candidates[method] = {"path": path, "settings": settings, "guard": guard,
                               "seconds": round(time.perf_counter() - started, 1)}
     batch = np.concatenate([f["pixel_values"] for f in feeds])[:32]
@@ -262,6 +263,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--calibration-images", type=int, default=256, help="training images to calibrate on")
     group.add_argument("--guard-images", type=int, default=10_000, help="held-out images for the guard")
     group.add_argument("--quantize-threads", type=int, default=0, help="ONNX Runtime threads (0: all cores)")
+    group.add_argument("--quantize-speed-seconds", type=float, default=QuantizeOptions.speed_seconds,
+                       help="how long each candidate is timed against fp32")
 
 
 def options_from_args(args) -> QuantizeOptions | None:
@@ -269,6 +272,8 @@ def options_from_args(args) -> QuantizeOptions | None:
         return None
     if args.calibration_images < 1 or args.guard_images < 1:
         raise ValueError("--calibration-images and --guard-images must be positive")
+    if not args.quantize_speed_seconds > 0:
+        raise ValueError("--quantize-speed-seconds must be positive")
     return QuantizeOptions(method=args.quantize_method, data=args.calibration_data, data_root=args.calibration_root,
                            calibration_images=args.calibration_images, guard_images=args.guard_images,
-                           threads=args.quantize_threads)
+                           threads=args.quantize_threads, speed_seconds=args.quantize_speed_seconds)

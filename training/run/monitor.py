@@ -14,6 +14,9 @@ add to the same record, so a reader of ``metrics.jsonl`` sees one line per logge
   every 1 % of the run;
 - the stall detector (``training/run/stall.py``), with or without labels: ``stall`` and ``stall_message`` on the
   step a stall is confirmed, logged once as a warning. A stall never stops the run: it may still be worth finishing.
+
+While the progress bar is shown, log records to the console go through tqdm (``logging_redirect_tqdm``: the bar is
+cleared, the line written, the bar drawn again below it), so a warning never shares a line with the bar.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from msn_core.optional import require
 from training import distributed as dist
@@ -66,11 +71,13 @@ class TrainingMonitor:
         self._postfix: dict[str, str] = {}
         self.bar = None
         self.writer = None
+        self._console = ExitStack()  # the logging redirection while the bar is shown
         if not enabled:
             return
         self.metrics_file = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115 (open for the whole run)
         if progress_bar:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            self._console.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
         if tensorboard:
             require("tensorboard", "run.tensorboard=true")  # torch.utils.tensorboard's own error names no install
             from torch.utils.tensorboard import SummaryWriter
@@ -164,6 +171,7 @@ class TrainingMonitor:
             return
         if self.bar is not None:
             self.bar.close()
+        self._console.close()
         if self.writer is not None:
             self.writer.close()
         self.metrics_file.close()
