@@ -18,8 +18,9 @@ recorded too: ``random_pair_distance``, the RMS pixel distance between two held-
 spread), and, from :func:`quality_and_classifier`, the fitted classifier itself, which the checkpoint keeps.
 Sampling uses the run's own sampler and step count at guidance 1 (pure conditional), as the app does by default.
 
-Everything torch does happens before cyanure fits (cyanure's OpenMP runtime can slow torch's later work in the same
-process), and the global RNG streams are left untouched so that a resumed run stays bit-exact.
+Everything torch does happens before cyanure fits (a second guard: the fit itself puts back the OpenMP settings
+cyanure changes in torch's runtime, :mod:`msn_core.openmp`), and the global RNG streams are left untouched so that a
+resumed run stays bit-exact.
 """
 
 from __future__ import annotations
