@@ -41,45 +41,41 @@ def tiny_config(*extra: str):
     return load_config(None, TINY_OVERRIDES + list(extra))
 
 
+def _trained(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory, folder: str, name: str,
+             *overrides: str) -> Path:
+    from visualizer.train import train
+
+    out = tmp_path_factory.mktemp(folder) / name
+    train(tiny_config(*overrides), tiny_bundle, out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A decoder run directory (checkpoint.pt after 3 steps)."""
-    from visualizer.train import train
-
-    out = tmp_path_factory.mktemp("viz-run") / "rcdm"
-    train(tiny_config("optim.max_steps=3"), tiny_bundle, out)
-    return out
+    return _trained(tiny_bundle, tmp_path_factory, "viz-run", "rcdm", "optim.max_steps=3")
 
 
 @pytest.fixture(scope="session")
 def tiny_guided_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A decoder run trained with condition dropout (an unconditional branch, so guidance means something)."""
-    from visualizer.train import train
-
-    out = tmp_path_factory.mktemp("viz-run-guided") / "rcdm"
-    train(tiny_config("optim.max_steps=3", "diffusion.cond_drop_prob=0.5"), tiny_bundle, out)
-    return out
+    return _trained(tiny_bundle, tmp_path_factory, "viz-run-guided", "rcdm", "optim.max_steps=3",
+                    "diffusion.cond_drop_prob=0.5")
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenmap_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A decoder on the token map (cond.feature=token_map, the inpainting view), trained 2 steps."""
-    from visualizer.train import train
-
-    out = tmp_path_factory.mktemp("viz-run-tokenmap") / "tokenmap"
-    train(tiny_config("optim.max_steps=2", "cond.feature=token_map", "model.map_channels=4",
-                      "model.global_mlp=true", "run.quality_images=0"), tiny_bundle, out)
-    return out
+    return _trained(tiny_bundle, tmp_path_factory, "viz-run-tokenmap", "tokenmap", "optim.max_steps=2",
+                    "cond.feature=token_map", "model.map_channels=4", "model.global_mlp=true",
+                    "run.quality_images=0")
 
 
 @pytest.fixture(scope="session")
 def tiny_regression_run(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A regression decoder (model.kind=regression) on the default CLS feature, trained 2 steps."""
-    from visualizer.train import train
-
-    out = tmp_path_factory.mktemp("viz-run-regression") / "regression"
-    train(tiny_config("optim.max_steps=2", "model.kind=regression"), tiny_bundle, out)
-    return out
+    return _trained(tiny_bundle, tmp_path_factory, "viz-run-regression", "regression", "optim.max_steps=2",
+                    "model.kind=regression")
 
 
 @pytest.fixture(scope="session")
