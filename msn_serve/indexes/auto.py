@@ -6,7 +6,8 @@ holds out up to 1,000 of them as queries, asks :func:`msn_serve.indexes.tuning.s
 most queries per second at the index's ``target_recall`` (recall@10 against exact search over the other vectors),
 then adds the held-out vectors too. With ``deletes`` (the default) only kinds that can delete are candidates
 (IVF-Flat); ``"deletes": false`` also lets re-ranked IVF-PQ and HNSW compete. The live index keeps serving while
-this runs (see :class:`msn_serve.indexes.managed.ManagedIndex`).
+this runs: :class:`Retuning`, which a :class:`msn_serve.indexes.managed.ManagedIndex` owns, builds the new index in
+a thread, replays onto it what changed meanwhile and swaps it in.
 """
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import faiss
 import numpy as np
 from faiss.contrib.inspect_tools import get_invlist
 
 from msn_serve.indexes.config import IndexConfig, build_index
+from msn_serve.indexes.gpu import GpuMirror
 from msn_serve.indexes.tuning import nlist_for, plans, select
+from msn_serve.indexes.wal import WriteAheadLog
 
-__all__ = ["Retuning", "maybe_retune", "retune", "vectors_of"]
+__all__ = ["Retunable", "Retuning", "retune", "vectors_of"]
 
 log = logging.getLogger("msn_serve.indexes")
 QUERIES, K = 1000, 10
@@ -83,11 +87,29 @@ def retune(cfg: IndexConfig, ids: np.ndarray, vecs: np.ndarray, *, seed: int = 0
     return replace(best.config, tuned_at=n), best.index, report
 
 
-class Retuning:
-    """An auto index's re-tuning state, kept under its owner's lock: whether a re-tune runs, the mutations applied to
-    the live index meanwhile (replayed onto its result before the swap) and the last report (``stats()`` shows it)."""
+class Retunable(Protocol):
+    """What :class:`Retuning` reads and swaps of the index it re-tunes (a ManagedIndex)."""
 
-    def __init__(self):
+    path: Path
+    cfg: IndexConfig
+    index: faiss.Index
+    closed: bool
+    lock: threading.RLock
+    gpu: GpuMirror
+    wal: WriteAheadLog | None  # None on a read-only replica, which never re-tunes
+
+    @property
+    def ntotal(self) -> int: ...
+
+    def snapshot(self) -> None: ...
+
+
+class Retuning:
+    """An auto index's re-tuning, kept under its owner's lock: whether a re-tune runs, the mutations applied to the
+    live index meanwhile (replayed onto its result before the swap) and the last report (``stats()`` shows it)."""
+
+    def __init__(self, owner: Retunable):
+        self.owner = owner
         self.running = False
         self.pending: list[tuple[str, np.ndarray, np.ndarray | None]] | None = None
         self.last: dict[str, Any] | None = None
@@ -97,41 +119,47 @@ class Retuning:
         if self.pending is not None:
             self.pending.append((op, ids, vecs))
 
+    def stats(self) -> dict[str, Any] | None:
+        """``stats()["auto_tuning"]``: ``None`` for an index that is not ``auto``."""
+        cfg = self.owner.cfg
+        return {"next_tuning": cfg.next_tuning(), "retuning": self.running, "last_tuning": self.last} \
+            if cfg.auto else None
 
-def maybe_retune(idx) -> None:
-    """Called under ``idx.lock`` (a :class:`msn_serve.indexes.managed.ManagedIndex`) after adds: start a background
-    re-tune when an auto index of the writer reached its next tuning size."""
-    threshold = idx.cfg.next_tuning()
-    if threshold is None or idx.tuning.running or idx.wal is None or idx.ntotal < threshold:
-        return
-    ids, vecs = vectors_of(idx.index, idx.cfg)
-    idx.tuning.running, idx.tuning.pending = True, []
-    threading.Thread(target=_run, args=(idx, ids, vecs), name=f"msn-retune-{idx.path.name}", daemon=True).start()
-
-
-def _run(idx, ids: np.ndarray, vecs: np.ndarray) -> None:
-    """Build the tuned index off the lock, then replay what changed meanwhile, swap it in and snapshot."""
-    try:
-        cfg, index, report = retune(idx.cfg, ids, vecs)
-    except Exception:
-        log.exception("index %s: re-tuning failed; still %s", idx.path.name, idx.cfg.type)
-        with idx.lock:
-            idx.tuning.running, idx.tuning.pending = False, None
-        return
-    with idx.lock:
-        if idx.closed:
+    def maybe_start(self) -> None:
+        """Called under the owner's lock after adds (and at load): start a background re-tune when an auto index of
+        the writer reached its next tuning size."""
+        idx = self.owner
+        threshold = idx.cfg.next_tuning()
+        if threshold is None or self.running or idx.wal is None or idx.ntotal < threshold:
             return
-        for op, op_ids, op_vecs in idx.tuning.pending or []:
-            if op == "remove" or cfg.can_delete:  # an add replaces ids already there (with deletes=false the
-                index.remove_ids(op_ids)  # live index refused re-adds that change anything)
-            if op == "add":
-                index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
-        idx.index, idx.cfg = index, cfg
-        idx.gpu.drop()
-        idx.tuning.running, idx.tuning.pending, idx.tuning.last = False, None, report
+        ids, vecs = vectors_of(idx.index, idx.cfg)
+        self.running, self.pending = True, []
+        threading.Thread(target=self._run, args=(ids, vecs), name=f"msn-retune-{idx.path.name}", daemon=True).start()
+
+    def _run(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        """Build the tuned index off the lock, then replay what changed meanwhile, swap it in and snapshot."""
+        idx = self.owner
         try:
-            idx.snapshot()
-        except OSError as e:  # the WAL still holds every record: a restart replays them and re-tunes again
-            log.warning("index %s: snapshot after re-tuning failed (%s)", idx.path.name, e)
-        log.info("index %s re-tuned at %d vectors: %s in %.1fs", idx.path.name, cfg.tuned_at, cfg.type,
-                 report["seconds"])
+            cfg, index, report = retune(idx.cfg, ids, vecs)
+        except Exception:
+            log.exception("index %s: re-tuning failed; still %s", idx.path.name, idx.cfg.type)
+            with idx.lock:
+                self.running, self.pending = False, None
+            return
+        with idx.lock:
+            if idx.closed:
+                return
+            for op, op_ids, op_vecs in self.pending or []:
+                if op == "remove" or cfg.can_delete:  # an add replaces ids already there (with deletes=false the
+                    index.remove_ids(op_ids)  # live index refused re-adds that change anything)
+                if op == "add":
+                    index.add_with_ids(np.ascontiguousarray(op_vecs, dtype=np.float32), op_ids)
+            idx.index, idx.cfg = index, cfg
+            idx.gpu.drop()
+            self.running, self.pending, self.last = False, None, report
+            try:
+                idx.snapshot()
+            except OSError as e:  # the WAL still holds every record: a restart replays them and re-tunes again
+                log.warning("index %s: snapshot after re-tuning failed (%s)", idx.path.name, e)
+            log.info("index %s re-tuned at %d vectors: %s in %.1fs", idx.path.name, cfg.tuned_at, cfg.type,
+                     report["seconds"])

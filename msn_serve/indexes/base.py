@@ -4,10 +4,11 @@ The routes (:mod:`msn_serve.indexes.service`), the label loop (:mod:`msn_serve.c
 publisher only use :class:`VectorIndex`: FAISS (:class:`~msn_serve.indexes.managed.ManagedIndex`, the default, files
 under ``<data-dir>/indexes``) and Milvus (:class:`~msn_serve.indexes.milvus.MilvusIndex`, a collection) are
 interchangeable behind it. Ids, vectors and their limits are checked here, once, so a bad request gets the same 4xx
-from both.
+from both, and a search's answer is written out once (:func:`hit_lists`).
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 from pathlib import Path
@@ -19,7 +20,8 @@ from msn_serve.errors import unprocessable
 from msn_serve.indexes.config import IndexConfig
 from msn_serve.indexes.metadata import to_texts
 
-__all__ = ["BACKENDS", "MAX_ID", "Backend", "VectorIndex", "check_add", "check_ids", "prepare_vectors"]
+__all__ = ["BACKENDS", "MAX_ID", "Backend", "VectorIndex", "check_add", "check_ids", "hit_lists", "prepare_vectors",
+           "score_meaning"]
 
 Backend = Literal["faiss", "milvus"]
 BACKENDS: tuple[str, ...] = ("faiss", "milvus")
@@ -125,3 +127,15 @@ def check_add(cfg: IndexConfig, ids: Any, vecs: np.ndarray,
     except ValueError as e:
         raise unprocessable(str(e)) from None
     return arr, v, texts
+
+
+def hit_lists(scores: np.ndarray, labels: np.ndarray, texts: dict[int, str]) -> list:
+    """A :meth:`VectorIndex.query` answer as :meth:`VectorIndex.search` gives it: ``-1`` padding left out."""
+    return [[{"id": i, "score": s, **({"metadata": json.loads(texts[i])} if i in texts else {})}
+             for s, i in zip(srow, lrow, strict=True) if i >= 0]
+            for srow, lrow in zip(scores.tolist(), labels.tolist(), strict=True)]
+
+
+def score_meaning(cfg: IndexConfig) -> str:
+    """What a score is, for ``stats()``."""
+    return "inner product (higher is closer)" if cfg.metric == "ip" else "squared L2 distance (lower is closer)"

@@ -9,14 +9,15 @@ nothing (see :class:`~msn_serve.indexes.wal.WriteAheadLog`): the client gets a 5
 which writes the mmap-able form of :mod:`msn_serve.indexes.files` instead of ``snapshot.npz``; the writer loads either,
 and read-only replicas open published copies of that form memory-mapped, without a WAL.
 
-:class:`ManagedIndex` holds the live index, its lock and its mutations and searches, and composes the rest, each in
-its own module: what is on disk and in which order it is written (:mod:`msn_serve.indexes.persist`), the GPU copy
-that answers searches with ``--device cuda`` (:class:`~msn_serve.indexes.gpu.GpuMirror`) and the re-tuning of
-``auto`` indexes as they grow (:class:`~msn_serve.indexes.auto.Retuning`).
+:class:`ManagedIndex` is what the store is: the live index, its ids and metadata, its lock, its mutations and
+searches. It owns one collaborator per other concern, each in its own module: how it is kept durable
+(:class:`~msn_serve.indexes.durability.Durability`: WAL, snapshots, replay; the files themselves are
+:mod:`msn_serve.indexes.persist`'s), how it is tuned (:class:`~msn_serve.indexes.auto.Retuning`, the background
+re-tune of ``auto`` indexes as they grow) and where its searches run (:class:`~msn_serve.indexes.gpu.GpuMirror`, the
+GPU copy with ``--device cuda``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -27,14 +28,14 @@ from typing import Any
 import faiss
 import numpy as np
 
-from msn_core.durable import remove_durably
-from msn_serve.errors import conflict, not_found, persisting, read_only_replica, too_large, unprocessable
-from msn_serve.indexes import auto as index_auto
-from msn_serve.indexes import gpu as index_gpu
+from msn_serve.errors import conflict, not_found, persisting, too_large, unprocessable
 from msn_serve.indexes import persist
-from msn_serve.indexes.base import check_add, check_ids, prepare_vectors
+from msn_serve.indexes.auto import Retuning, vectors_of
+from msn_serve.indexes.base import check_add, check_ids, hit_lists, prepare_vectors, score_meaning
 from msn_serve.indexes.config import IndexConfig, build_index, search_params
-from msn_serve.indexes.files import IVF_TYPES, decode_record, encode_record, read_index_dir, write_index_dir
+from msn_serve.indexes.durability import Durability
+from msn_serve.indexes.files import IVF_TYPES, read_index_dir, write_index_dir
+from msn_serve.indexes.gpu import GpuMirror
 from msn_serve.indexes.metadata import Metadata, Texts
 from msn_serve.indexes.wal import WriteAheadLog
 
@@ -58,16 +59,21 @@ class ManagedIndex:
         self.lock = threading.RLock()
         self.ids = ids
         self.closed = False
-        self.wal = None if read_only else WriteAheadLog(path / persist.WAL)
         self.created = time.time()
-        self.gpu = index_gpu.GpuMirror(device)  # device: index_gpu.resolve_device'd
-        self.tuning = index_auto.Retuning()
+        self.wal = None if read_only else WriteAheadLog(path / persist.WAL)
+        self.durability = Durability(self)
+        self.gpu = GpuMirror(device)  # device: gpu.resolve_device'd
+        self.tuning = Retuning(self)
 
     @property
     def name(self) -> str:
         return self.path.name
 
-    # ---- persistence (the steps are persist's; when to take them is decided here) ------------------------------
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    # ---- opening: created whole, loaded and replayed, or a published copy ---------------------------------------
     @classmethod
     def create(cls, path: Path, cfg: IndexConfig, device: str = "cpu") -> ManagedIndex:
         """A new, empty index, whose directory appears whole or not at all."""
@@ -80,17 +86,10 @@ class ManagedIndex:
         snapshot; an auto index whose re-tune a crash interrupted starts it again."""
         saved = persist.load(path, data_dir)
         obj = cls(path, saved.cfg, saved.index, saved.metadata, saved.seq, saved.ids, device=device)
-        replayed = 0
-        for rseq, payload in saved.records:
-            if rseq <= obj.seq:
-                continue
-            op, ids, vecs, meta_list = decode_record(payload)
-            obj._apply(op, ids, vecs, meta_list)
-            obj.seq = rseq
-            replayed += 1
+        replayed = obj.durability.replay(saved.records)
         log.info("index %s: %d vectors (%d WAL records replayed)", path.name, obj.index.ntotal, replayed)
         with obj.lock:
-            obj._maybe_retune()  # e.g. a crash interrupted a re-tune
+            obj.tuning.maybe_start()  # e.g. a crash interrupted a re-tune
         return obj
 
     @classmethod
@@ -100,67 +99,9 @@ class ManagedIndex:
         return cls(path, IndexConfig(**config), index, metadata, seq, set(ids.tolist()), read_only=True,
                    device=device)
 
-    def export(self, dest: Path) -> None:
-        """Write the current state in the mmap-able form (for publishing); consistent under ``lock``."""
-        with self.lock:
-            self._check_open()
-            write_index_dir(dest, asdict(self.cfg), self.index, np.fromiter(self.ids, np.int64, len(self.ids)),
-                            self.metadata, self.seq)
-
-    def snapshot(self) -> None:
-        """Replace ``snapshot.npz`` with the current state (:func:`~msn_serve.indexes.persist.write`), then empty
-        the WAL."""
-        with self.lock:
-            persist.write(self.path, self.cfg, self.index, self.ids, self.metadata, self.seq)
-            self.wal.truncate(0)  # records <= seq are in the snapshot; a crash before this only re-skips them
-
-    def _maybe_compact(self) -> None:
-        """Snapshot a long WAL. The write that triggered it is already durable, so a failure is only logged
-        (the WAL still holds every record) and compaction is tried again after the next write."""
-        if self.wal.size() > self.compact_bytes:
-            try:
-                self.snapshot()
-            except OSError as e:
-                log.warning("index %s: compaction failed (%s); the WAL keeps every record", self.path.name, e)
-
-    def drop(self) -> None:
-        """Remove the directory (renaming it away is the commit point): gone from its name, it is dropped, whatever
-        a later fsync said."""
-        with self.lock:
-            try:
-                remove_durably(self.path)
-            finally:
-                if not self.path.exists():
-                    if self.wal is not None:
-                        self.wal.close()
-                    self.closed = True
-
-    def close(self) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            if self.wal is None:
-                self.closed = True
-                return
-            if self.wal.size():
-                self.snapshot()
-            self.wal.close()
-            self.closed = True
-
-    def _check_writable(self) -> None:
-        if self.wal is None:
-            raise read_only_replica()
-
-    def _check_open(self) -> None:
-        """Called under ``lock``: a request that waited while the index was dropped gets a 404, not a crash."""
-        if self.closed:
-            raise not_found(f"index {self.path.name!r} was deleted")
-
-    # ---- mutations --------------------------------------------------------------------------------------------
-    def _prepare(self, vecs: np.ndarray) -> np.ndarray:
-        return prepare_vectors(self.cfg, vecs)
-
+    # ---- mutations (made durable by self.durability before they return) -----------------------------------------
     def _apply(self, op: str, ids: np.ndarray, vecs: np.ndarray | None, texts: Texts | None) -> None:
+        """Change the in-memory state only: the live write, a WAL replay and the first IVF add all come here."""
         self.tuning.note(op, ids, vecs)  # a re-tune running meanwhile replays it onto its result
         if op == "add":  # an upsert: ids already present are replaced (add() filtered them out where FAISS can't)
             present = [i for i in ids.tolist() if i in self.ids]
@@ -184,106 +125,46 @@ class ManagedIndex:
         """Add (or replace) vectors under ``ids``; durable (WAL fsync'd or snapshot written) before it returns."""
         arr, v, texts = check_add(self.cfg, ids, vecs, metadata)
         with self.lock, persisting(f"add to index {self.path.name!r}"):
-            self._check_writable()
+            self.durability.check_writable()
             self._check_open()
             present = [j for j, i in enumerate(arr.tolist()) if i in self.ids]
             if present and not self.cfg.replaceable:
-                arr, v, texts = self._drop_unchanged(present, arr, v, texts)
+                arr, v, texts = _unchanged_dropped(self, present, arr, v, texts)
                 present = []  # what is left is new
             if self.metadata_limit is not None and \
                     self.metadata.size_after(arr.tolist(), texts) > self.metadata_limit:
                 raise too_large(f"index {self.path.name!r} would hold more than {self.metadata_limit} bytes of "
                                 "metadata (max_index_metadata_mb)")
             if self.cfg.type in IVF_TYPES and not self.index.is_trained:
-                self._first_ivf_add(arr, v, texts)
+                if arr.size < self.cfg.nlist:
+                    raise unprocessable(f"an ivf index trains on its first add: send at least nlist={self.cfg.nlist} "
+                                        f"vectors (got {arr.size}) or create it with a smaller nlist")
+                self.index.train(v)
+                self.durability.commit_trained(arr, v, texts)
             elif arr.size:
-                seq = self.seq + 1
-                self.wal.append(seq, encode_record("add", arr, v, texts))  # raises (rolled back) on a full disk
-                self._apply("add", arr, v, texts)
-                self.seq = seq
-                self._maybe_compact()
-                self._maybe_retune()
+                self.durability.commit("add", arr, v, texts)
+                self.tuning.maybe_start()
         return {"added": int(arr.size) - len(present), "replaced": len(present)}
-
-    def _drop_unchanged(self, present: list[int], arr: np.ndarray, v: np.ndarray,
-                        texts: Texts | None) -> tuple[np.ndarray, np.ndarray, Texts | None]:
-        """Kinds that cannot remove vectors (hnsw, re-ranked ivfpq, auto with deletes=false) only accept an id that
-        is already there re-added unchanged (a retry)."""
-        for j in present:
-            i = int(arr[j])
-            try:
-                stored = self.index.reconstruct(i)
-            except RuntimeError:  # IVF keeps no id -> vector map (an auto index with deletes=false tuned to ivf)
-                stored = None
-            same = stored is not None and np.array_equal(stored, v[j]) and \
-                self.metadata.text(i) == (None if texts is None else texts[j])
-            if not same:
-                raise conflict(f"id {i} is already in this index with another vector or metadata, and "
-                               f"{self.cfg.why_immutable} (FAISS limitation): use a flat, ivf or auto index")
-        keep = np.setdiff1d(np.arange(arr.size), present)
-        return arr[keep], v[keep], None if texts is None else Texts(texts[j] for j in keep.tolist())
-
-    def _first_ivf_add(self, arr: np.ndarray, v: np.ndarray, texts: Texts | None) -> None:
-        """IVF trains on its first add, which is snapshotted (k-means is not replayed bit-exactly); a failed
-        snapshot puts the untrained, empty index back."""
-        if arr.size < self.cfg.nlist:
-            raise unprocessable(f"an ivf index trains on its first add: send at least nlist={self.cfg.nlist} "
-                                f"vectors (got {arr.size}) or create it with a smaller nlist")
-        seq = self.seq
-        self.index.train(v)
-        self._apply("add", arr, v, texts)
-        self.seq = seq + 1
-        try:
-            self.snapshot()
-        except BaseException:
-            self.index, self.ids, self.metadata, self.seq = build_index(self.cfg), set(), Metadata(), seq
-            raise
 
     def remove(self, ids: Any) -> dict[str, Any]:
         arr = check_ids(ids)
         if not self.cfg.replaceable:
             raise conflict(f"{self.cfg.why_immutable} (FAISS limitation); use a flat, ivf or auto index")
         with self.lock, persisting(f"delete from index {self.path.name!r}"):
-            self._check_writable()
+            self.durability.check_writable()
             self._check_open()
             present = np.array([i for i in arr.tolist() if i in self.ids], dtype=np.int64)
             missing = sorted(set(arr.tolist()) - set(present.tolist()))
             if present.size:
-                seq = self.seq + 1
-                self.wal.append(seq, encode_record("remove", present, None, None))
-                self._apply("remove", present, None, None)
-                self.seq = seq
-                self._maybe_compact()
+                self.durability.commit("remove", present, None, None)
         return {"removed": int(present.size), "not_found": missing}
-
-    # ---- the GPU copy and auto re-tuning (gpu.GpuMirror, auto.Retuning; both under ``lock``) --------------------
-    @property
-    def search_device(self) -> str:
-        return self.gpu.device_for(self.cfg)
-
-    @property
-    def gpu_index(self) -> faiss.Index | None:
-        """The GPU copy answering searches, ``None`` until a search builds it (or after a change it cannot follow)."""
-        return self.gpu.copy
-
-    @property
-    def retuning(self) -> bool:
-        """An auto index's background re-tune is running."""
-        return self.tuning.running
-
-    @property
-    def last_tuning(self) -> dict[str, Any] | None:
-        return self.tuning.last
-
-    def _maybe_retune(self) -> None:
-        index_auto.maybe_retune(self)
 
     # ---- queries ----------------------------------------------------------------------------------------------
     def query(self, vecs: np.ndarray, k: int, nprobe: int | None = None,
               ef_search: int | None = None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
         """FAISS search: ``(scores (n, k'), ids (n, k'), {hit id: metadata JSON text})`` with ``k' = min(k,
         ntotal)`` (FAISS allocates n x k results, so k beyond the index size would only cost memory)."""
-        q = self._prepare(vecs)
+        q = prepare_vectors(self.cfg, vecs)
         with self.lock:
             self._check_open()
             k = min(int(k), int(self.index.ntotal))
@@ -296,19 +177,7 @@ class ManagedIndex:
 
     def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
         """:meth:`query` as ``[[{"id", "score", "metadata"?}, ...], ...]`` (for in-process callers)."""
-        scores, labels, texts = self.query(vecs, k, nprobe, ef_search)
-        out = []
-        for srow, lrow in zip(scores.tolist(), labels.tolist(), strict=True):
-            hits = []
-            for d, i in zip(srow, lrow, strict=True):
-                if i >= 0:
-                    hits.append({"id": i, "score": d, **({"metadata": json.loads(texts[i])} if i in texts else {})})
-            out.append(hits)
-        return out
-
-    @property
-    def ntotal(self) -> int:
-        return int(self.index.ntotal)
+        return hit_lists(*self.query(vecs, k, nprobe, ef_search))
 
     def stored_vectors(self) -> tuple[np.ndarray, np.ndarray]:
         """Every stored ``(ids, vectors)``: flat and hnsw through their flat storage, ivf from its inverted lists;
@@ -319,7 +188,7 @@ class ManagedIndex:
                                 "only (build one of those for labelling)")
         with self.lock:
             self._check_open()
-            return index_auto.vectors_of(self.index, self.cfg)
+            return vectors_of(self.index, self.cfg)
 
     def metadata_texts(self, ids: list[int]) -> dict[int, str | None]:
         with self.lock:
@@ -327,14 +196,57 @@ class ManagedIndex:
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            auto = {"next_tuning": self.cfg.next_tuning(), "retuning": self.retuning,
-                    "last_tuning": self.last_tuning} if self.cfg.auto else None
             return {"name": self.path.name, "backend": self.backend, **asdict(self.cfg),
                     "ntotal": int(self.index.ntotal),
-                    "device": self.search_device, "auto_tuning": auto,
+                    "device": self.gpu.device_for(self.cfg), "auto_tuning": self.tuning.stats(),
                     "trained": bool(self.index.is_trained), "with_metadata": len(self.metadata),
                     "metadata_bytes": self.metadata.nbytes,
                     "wal_bytes": self.wal.size() if self.wal else 0, "seq": self.seq,
-                    "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
-                    else "squared L2 distance (lower is closer)"}
+                    "score": score_meaning(self.cfg)}
 
+    # ---- whole-index writes and the end of its life --------------------------------------------------------------
+    def export(self, dest: Path) -> None:
+        """Write the current state in the mmap-able form (for publishing); consistent under ``lock``."""
+        with self.lock:
+            self._check_open()
+            write_index_dir(dest, asdict(self.cfg), self.index, np.fromiter(self.ids, np.int64, len(self.ids)),
+                            self.metadata, self.seq)
+
+    def snapshot(self) -> None:
+        """Replace ``snapshot.npz`` with the current state and empty the WAL (:meth:`Durability.snapshot`)."""
+        self.durability.snapshot()
+
+    def drop(self) -> None:
+        """Remove the directory; gone from its name, the index is closed, whatever a later fsync said."""
+        with self.lock:
+            self.durability.remove()
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.durability.close()
+                self.closed = True
+
+    def _check_open(self) -> None:
+        """Called under ``lock``: a request that waited while the index was dropped gets a 404, not a crash."""
+        if self.closed:
+            raise not_found(f"index {self.path.name!r} was deleted")
+
+
+def _unchanged_dropped(idx: ManagedIndex, present: list[int], arr: np.ndarray, v: np.ndarray,
+                       texts: Texts | None) -> tuple[np.ndarray, np.ndarray, Texts | None]:
+    """The add without the ids already there. Kinds that cannot remove vectors (hnsw, re-ranked ivfpq, auto with
+    deletes=false) only accept an id that is already there re-added unchanged (a retry): anything else is a 409."""
+    for j in present:
+        i = int(arr[j])
+        try:
+            stored = idx.index.reconstruct(i)
+        except RuntimeError:  # IVF keeps no id -> vector map (an auto index with deletes=false tuned to ivf)
+            stored = None
+        same = stored is not None and np.array_equal(stored, v[j]) and \
+            idx.metadata.text(i) == (None if texts is None else texts[j])
+        if not same:
+            raise conflict(f"id {i} is already in this index with another vector or metadata, and "
+                           f"{idx.cfg.why_immutable} (FAISS limitation): use a flat, ivf or auto index")
+    keep = np.setdiff1d(np.arange(arr.size), present)
+    return arr[keep], v[keep], None if texts is None else Texts(texts[j] for j in keep.tolist())

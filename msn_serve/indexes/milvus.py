@@ -1,18 +1,13 @@
-"""Milvus as an index store: one collection per index, behind the same interface as FAISS (:mod:`.base`).
+"""Milvus as an index store: one index in one collection, behind the same interface as FAISS (:mod:`.base`).
 
-``pymilvus`` (``pip install 'msn[milvus]'``) is imported when a Milvus index is first used. ``--milvus-uri`` is a
-Milvus Lite file (``PATH.db``: the engine runs inside msn-serve; default ``<data-dir>/milvus.db``) or a server URL
-(``http://host:19530``); the same client code talks to both.
-
-An index ``<name>`` is found under ``msn_<name>`` (``_`` ``.`` ``-`` in the name written ``_u`` ``_d`` ``_h``):
-a collection of that name (what ``POST /index`` creates) or an alias pointing at one ``msn_<name>__v<time><hex>``
-(what the offline copies of :mod:`msn_serve.index_tools.milvus_copy` make, so that a copy is swapped in by moving
-the alias: the name always resolves to one whole collection). Fields: ``id`` INT64 primary key, ``vector``
-FLOAT_VECTOR, ``meta`` VARCHAR (the metadata's JSON text, nullable). Its properties bind it like a FAISS index's
-``config.json``: ``msn.config`` (the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's
-feature), ``msn.index`` (the name) and ``msn.state``: ``ready``, or ``migrating`` while ``msn-index migrate --to
-milvus`` has not finished, which is refused when opened (409 naming the command that finishes it). Adds are upserts,
-so a retried add never duplicates an id.
+Where the collection is found, and how a copy is swapped in under an index's name, is
+:mod:`msn_serve.indexes.milvus_conn`'s; the kind of index Milvus builds and each search's knobs are
+:mod:`msn_serve.indexes.milvus_tuning`'s. Fields: ``id`` INT64 primary key, ``vector`` FLOAT_VECTOR, ``meta``
+VARCHAR (the metadata's JSON text, nullable). Its properties bind it like a FAISS index's ``config.json``:
+``msn.config`` (the :class:`IndexConfig`, with ``model_id``), ``msn.feature`` (the bundle's feature), ``msn.index``
+(the name) and ``msn.state``: ``ready``, or ``migrating`` while ``msn-index migrate --to milvus`` has not finished,
+which is refused when opened (409 naming the command that finishes it). Adds are upserts, so a retried add never
+duplicates an id.
 
 Consistency and durability: collections are created with the **Strong** consistency level, so a search sees every
 acknowledged write. An insert is acknowledged by Milvus once it is in its write-ahead log (Milvus Lite: its WAL file,
@@ -24,10 +19,8 @@ a collection at a time, as one writes a data directory (Milvus Lite enforces it 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -37,53 +30,30 @@ from typing import Any
 
 import numpy as np
 
-from msn_core.optional import require
-from msn_serve.errors import ApiError, conflict, not_found, too_large, unprocessable
-from msn_serve.indexes.base import check_add, check_ids, prepare_vectors
+from msn_serve.errors import ApiError, conflict, not_found, too_large
+from msn_serve.indexes.base import check_add, check_ids, hit_lists, prepare_vectors, score_meaning
 from msn_serve.indexes.config import IndexConfig
 from msn_serve.indexes.metadata import Metadata
+from msn_serve.indexes.milvus_conn import (
+    BACKUP_PREFIX,
+    PREFIX,
+    MilvusConnection,
+    MilvusUnavailable,
+    collection_name,
+    milvus_errors,
+    physical_name,
+)
+from msn_serve.indexes.milvus_tuning import TOPK_MAX, check_spec, index_params, search_params
+
+# The connection's names are also importable from here, where the offline tools (msn_serve.index_tools,
+# msn_serve.corpus) and the benchmarks have always found them.
+__all__ = ["BACKUP_PREFIX", "META_MAX", "PREFIX", "MilvusConnection", "MilvusIndex", "MilvusUnavailable", "NotReady",
+           "check_spec", "collection_name", "milvus_errors", "physical_name"]
 
 log = logging.getLogger("msn_serve.indexes")
-PREFIX = "msn_"
 META_MAX = 65_535  # bytes of a VARCHAR field
-TOPK_MAX = 16_384  # Milvus' limit on k (and on queries per search)
 BATCH = 4096  # rows per get/iterator call
 UPSERT_BYTES = 32 * 2**20  # per upsert message: half Milvus' 64 MB insert cap, room for the encoding
-_ESCAPES = {"_": "_u", ".": "_d", "-": "_h"}
-GEN = "__v"  # physical collections behind an alias: msn_<name>__v<time><hex> (no escaped name contains "__v")
-BACKUP_PREFIX = "msnbak_"  # collections kept by msn-index migrate (not indexes)
-KINDS = {"flat": "FLAT", "ivf": "IVF_FLAT", "hnsw": "HNSW"}
-
-
-class MilvusUnavailable(ValueError):
-    """Milvus cannot be reached or opened; the message says why and what to do (msn-serve exits with it)."""
-
-
-def collection_name(name: str) -> str:
-    return PREFIX + "".join(_ESCAPES.get(ch, ch) for ch in name)
-
-
-def index_name(collection: str) -> str | None:
-    """The index name of one of our collections (None for anything else in the database)."""
-    if not collection.startswith(PREFIX):
-        return None
-    out, rest = [], iter(collection[len(PREFIX):])
-    back = {v[1]: k for k, v in _ESCAPES.items()}
-    for ch in rest:
-        out.append(back.get(next(rest, ""), "?") if ch == "_" else ch)
-    return "".join(out)
-
-
-def physical_name(name: str) -> str:
-    """A new collection for index ``name``, to be swapped in under :func:`collection_name` by an alias."""
-    return f"{collection_name(name)}{GEN}{time.strftime('%Y%m%d%H%M%S')}{secrets.token_hex(3)}"
-
-
-def physical_owner(collection: str) -> str | None:
-    """The index whose :func:`physical_name` ``collection`` is (None for anything else)."""
-    base, sep, _ = collection.rpartition(GEN)
-    name = index_name(base) if sep else None
-    return name if name is not None and collection_name(name) == base else None
 
 
 class NotReady(ApiError):
@@ -97,141 +67,6 @@ class NotReady(ApiError):
                          f"DATA_DIR/indexes/{name} still exists, that redoes the copy); to undo it, move the FAISS "
                          f"index it was copied from, {source}, back to DATA_DIR/indexes/{name} (a name on both "
                          "backends is served from FAISS)")
-
-
-def check_spec(spec: dict[str, Any]) -> None:
-    """What a Milvus index cannot be (422 naming it): FAISS' self-tuning ``auto`` kind."""
-    if spec.get("type") == "auto":
-        raise unprocessable("type 'auto' re-tunes a FAISS index as it grows; a Milvus index is 'flat', 'ivf' or "
-                            "'hnsw' (Milvus builds and maintains it), or create it with backend 'faiss'")
-
-
-@contextlib.contextmanager
-def milvus_errors(what: str) -> Iterator[None]:
-    """A failed Milvus call becomes a 503 naming it (the write did not happen or is safe to retry: adds are upserts)."""
-    from pymilvus.exceptions import MilvusException
-
-    try:
-        yield
-    except MilvusException as e:
-        log.error("%s: Milvus failed (%s)", what, e)
-        raise ApiError(503, f"{what}: Milvus failed ({getattr(e, 'message', e)}); retry later") from e
-
-
-class MilvusConnection:
-    """One ``MilvusClient`` for ``uri``. Milvus Lite opens its file in one process at a time: a second gets a clear
-    error instead of pymilvus' "Open local milvus failed"."""
-
-    def __init__(self, uri: str):
-        pymilvus = require("pymilvus", "a Milvus index (--milvus-uri, backend 'milvus')")
-        self.lite = not uri.startswith(("http://", "https://", "tcp://", "grpc://", "unix:"))
-        if self.lite:
-            require("milvus_lite", "Milvus Lite (--milvus-uri PATH.db)")
-            path = Path(uri).expanduser().absolute()
-            if path.suffix != ".db":
-                raise MilvusUnavailable(f"--milvus-uri {uri}: a Milvus Lite database is a path ending in .db "
-                                        "(or give a server URL, http://host:19530)")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            uri = str(path)
-        self.uri = uri
-        try:
-            self.client = pymilvus.MilvusClient(uri)
-        except pymilvus.exceptions.MilvusException as e:
-            raise MilvusUnavailable(self._why(e)) from None
-
-    def _why(self, e: Exception) -> str:
-        if self.lite and _locked(Path(self.uri) / "LOCK"):
-            return (f"Milvus Lite database {self.uri} is open in another process, and Milvus Lite allows one at a "
-                    "time: stop that process, give this server another --milvus-uri, or run a Milvus server and "
-                    "give its URL")
-        return f"cannot open Milvus at {self.uri}: {getattr(e, 'message', e)}"
-
-    def describe(self) -> str:
-        return f"Milvus Lite {self.uri}" if self.lite else "Milvus server"
-
-    def aliases(self) -> dict[str, str]:
-        """``{alias: collection}`` of our aliases (``msn_<name>``)."""
-        names = self.client.list_aliases().get("aliases", [])
-        return {a: self.client.describe_alias(a)["collection_name"] for a in names if a.startswith(PREFIX)}
-
-    def resolve(self, name: str) -> str | None:
-        """The collection index ``name`` is stored in: its alias' target, the collection of its name, or None."""
-        handle = collection_name(name)
-        target = self.aliases().get(handle)
-        if target is not None:
-            return target
-        return handle if handle in self.client.list_collections() else None
-
-    def collections(self) -> dict[str, str]:
-        """``{index name: collection name or alias}`` of the indexes stored here (interrupted swaps finished)."""
-        self.finish_swaps()
-        found = {}
-        for c in [*self.client.list_collections(), *self.aliases()]:
-            name = index_name(c)
-            if name is not None and collection_name(name) == c:
-                found[name] = c
-        return found
-
-    def orphans(self, name: str) -> list[str]:
-        """Collections of index ``name`` its name does not resolve to: an interrupted copy, or the old collection
-        of a finished swap not yet dropped. Only the offline commands drop them (:meth:`drop_orphans`)."""
-        current = self.resolve(name)
-        return [c for c in self.client.list_collections() if physical_owner(c) == name and c != current]
-
-    def drop_orphans(self, name: str) -> None:
-        for c in self.orphans(name):
-            log.warning("index %s: dropping collection %s (left by an interrupted copy or swap)", name, c)
-            self.client.drop_collection(c)
-
-    def finish_swaps(self) -> None:
-        """Finish a swap killed between renaming a collection away from an index's name and pointing the name's
-        alias at its replacement: the replacement carries the record (``msn.swap``, written before the rename)."""
-        from pymilvus.exceptions import MilvusException
-
-        aliased = set(self.aliases().values())
-        present = set(self.client.list_collections())
-        for c in sorted(present, reverse=True):  # the newest copy first
-            name = physical_owner(c)
-            if name is None or c in aliased or self.resolve(name) is not None:
-                continue
-            record = self.client.describe_collection(c).get("properties", {}).get("msn.swap")
-            old = json.loads(record).get("old") if record else None
-            if old not in present:  # no record, or the rename never happened (the index was dropped since)
-                continue
-            log.warning("index %s: finishing an interrupted swap (its name now points at %s)", name, c)
-            try:
-                self.client.create_alias(c, collection_name(name))
-                if json.loads(record).get("drop"):
-                    self.client.drop_collection(old)
-            except MilvusException as e:  # another process (a shared server) finished it first
-                log.warning("index %s: could not finish the swap (%s)", name, getattr(e, "message", e))
-
-    def close(self) -> None:
-        """Close the client; Milvus Lite's engine (in this process) is stopped too, releasing its file."""
-        with contextlib.suppress(Exception):
-            self.client.close()
-        if self.lite:
-            from milvus_lite import server_manager_instance
-
-            server_manager_instance.release_server(self.uri)
-
-
-def _locked(lock_file: Path) -> bool:
-    import fcntl
-    import os
-
-    try:
-        fd = os.open(lock_file, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
 
 
 class MilvusIndex:
@@ -283,8 +118,8 @@ class MilvusIndex:
     def create(cls, conn: MilvusConnection, name: str, cfg: IndexConfig, *, feature: str = "",
                state: str = "ready", collection: str | None = None,
                properties: dict[str, str] | None = None) -> MilvusIndex:
-        """A new collection (``collection``: a :func:`physical_name`, for a copy swapped in later by an alias;
-        ``properties``: more of them, e.g. ``msn.source``)."""
+        """A new collection (``collection``: a :func:`~.milvus_conn.physical_name`, for a copy swapped in later by
+        an alias; ``properties``: more of them, e.g. ``msn.source``)."""
         from pymilvus import DataType
 
         c, coll = conn.client, collection or collection_name(name)
@@ -295,10 +130,7 @@ class MilvusIndex:
         schema.add_field("id", DataType.INT64, is_primary=True)
         schema.add_field("vector", DataType.FLOAT_VECTOR, dim=cfg.dim)
         schema.add_field("meta", DataType.VARCHAR, max_length=META_MAX, nullable=True)
-        params = c.prepare_index_params()
-        extra = {"ivf": {"nlist": cfg.nlist}, "hnsw": {"M": cfg.m, "efConstruction": cfg.ef_construction}}
-        params.add_index(field_name="vector", index_type=KINDS[cfg.type], metric_type=cfg.metric.upper(),
-                         params=extra.get(cfg.type, {}))
+        params = index_params(c, cfg)
         with milvus_errors(f"create index {name!r}"):
             c.create_collection(coll, schema=schema, consistency_level="Strong",
                                 properties={**_properties(name, cfg, feature, state), **(properties or {})})
@@ -430,13 +262,10 @@ class MilvusIndex:
             k = int(k)  # not capped by this process' count: on a server, other processes may have added since
             if k <= 0:
                 return np.zeros((len(q), 0), np.float32), np.zeros((len(q), 0), np.int64), {}
-            if k > TOPK_MAX:
-                raise unprocessable(f"k={k}: Milvus returns at most {TOPK_MAX} neighbours per query")
-            params = {"ivf": {"nprobe": min(nprobe or self.cfg.nprobe, self.cfg.nlist)},
-                      "hnsw": {"ef": max(ef_search or self.cfg.ef_search, k)}}.get(self.cfg.type, {})
+            params = search_params(self.cfg, k, nprobe, ef_search)
             with milvus_errors(f"search index {self.name!r}"):
                 res = self.client.search(self.collection, data=q.tolist(), limit=k, output_fields=["meta"],
-                                         search_params={"metric_type": self.cfg.metric.upper(), "params": params})
+                                         search_params=params)
         width = max((len(hits) for hits in res), default=0)  # k' = min(k, stored), as FAISS answers
         scores, labels = np.zeros((len(q), width), np.float32), np.full((len(q), width), -1, np.int64)
         texts: dict[int, str] = {}
@@ -449,10 +278,7 @@ class MilvusIndex:
         return scores, labels, texts
 
     def search(self, vecs: np.ndarray, k: int, nprobe: int | None = None, ef_search: int | None = None) -> list:
-        scores, labels, texts = self.query(vecs, k, nprobe, ef_search)
-        return [[{"id": i, "score": s, **({"metadata": json.loads(texts[i])} if i in texts else {})}
-                 for s, i in zip(srow, lrow, strict=True) if i >= 0]
-                for srow, lrow in zip(scores.tolist(), labels.tolist(), strict=True)]
+        return hit_lists(*self.query(vecs, k, nprobe, ef_search))
 
     def _rows(self, ids: list[int], field: str) -> Iterator[dict[str, Any]]:
         for lo in range(0, len(ids), BATCH):
@@ -501,8 +327,7 @@ class MilvusIndex:
                     "milvus": {"collection": self.collection, "physical": self.physical, "feature": self.feature,
                                "consistency": "Strong",
                                "lite": self.conn.lite},
-                    "score": "inner product (higher is closer)" if self.cfg.metric == "ip"
-                    else "squared L2 distance (lower is closer)"}
+                    "score": score_meaning(self.cfg)}
 
 
 def _chunks(rows: list[dict[str, Any]], meta_sizes: list[int], dim: int) -> Iterator[list[dict[str, Any]]]:

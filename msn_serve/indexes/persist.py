@@ -6,10 +6,10 @@
 directory ``msn-index build`` wrote (the :mod:`msn_serve.indexes.files` form) loads too, into memory since the writer
 mutates it, and the first snapshot supersedes its files.
 
-:class:`~msn_serve.indexes.managed.ManagedIndex` decides *when* to snapshot (its first IVF add, a WAL grown past
-``compact_bytes``, close) and replays the records; the steps that keep every moment loadable are here, in one place,
-apart from its mutations and searches. ``msn-index migrate`` reads a directory through :func:`saved` too, which
-changes nothing, so the two readers cannot disagree about what an index holds.
+:class:`~msn_serve.indexes.durability.Durability` decides *when* to snapshot (an IVF index's first add, a WAL
+grown past ``compact_bytes``, close) and replays the records; the steps that keep every moment loadable are here, in
+one place, apart from the index's mutations and searches. ``msn-index migrate`` reads a directory through
+:func:`saved` too, which changes nothing, so the two readers cannot disagree about what an index holds.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from msn_serve.indexes.config import config_from_spec
 from msn_serve.indexes.managed import ManagedIndex
 
 if TYPE_CHECKING:
-    from msn_serve.indexes.milvus import MilvusConnection
+    from msn_serve.indexes.milvus_conn import MilvusConnection
 
 log = logging.getLogger("msn_serve.indexes")
 
@@ -84,7 +84,7 @@ class IndexStore:
     def milvus(self) -> MilvusConnection:
         """The Milvus connection, opened on first use (``MilvusUnavailable``, a ValueError, when it cannot be)."""
         if self._milvus is None:
-            from msn_serve.indexes.milvus import MilvusConnection
+            from msn_serve.indexes.milvus_conn import MilvusConnection
 
             self._milvus = MilvusConnection(self.milvus_uri)
         return self._milvus
@@ -126,7 +126,8 @@ class IndexStore:
         conn = self._shared_milvus()
         if conn is None or self.read_only:
             return None
-        from msn_serve.indexes.milvus import MilvusIndex, collection_name, milvus_errors
+        from msn_serve.indexes.milvus import MilvusIndex
+        from msn_serve.indexes.milvus_conn import collection_name, milvus_errors
 
         with self._lock:
             if name in self.indexes:
@@ -181,7 +182,9 @@ class IndexStore:
 
     def _create_milvus(self, name: str, spec: dict[str, Any], model_id: str | None, default_dim: int | None,
                        feature: str) -> VectorIndex:
-        from msn_serve.indexes.milvus import MilvusIndex, MilvusUnavailable, check_spec
+        from msn_serve.indexes.milvus import MilvusIndex
+        from msn_serve.indexes.milvus_conn import MilvusUnavailable
+        from msn_serve.indexes.milvus_tuning import check_spec
 
         check_spec(spec)
         cfg = config_from_spec(spec, default_dim or self.default_dim, model_id or self.model_id)

@@ -236,9 +236,10 @@ def test_a_large_milvus_add_is_split_under_the_message_cap(tmp_path, monkeypatch
     """An add larger than one upsert message (Milvus refuses a 400 MB one) is sent in runs and fully stored."""
     from msn_serve.indexes import milvus
     from msn_serve.indexes.config import config_from_spec
+    from msn_serve.indexes.milvus_conn import MilvusConnection
 
     monkeypatch.setattr(milvus, "UPSERT_BYTES", 4096)  # ~15 vectors of 64 floats per message
-    conn = milvus.MilvusConnection(str(tmp_path / "m.db"))
+    conn = MilvusConnection(str(tmp_path / "m.db"))
     try:
         idx = milvus.MilvusIndex.create(conn, "big", config_from_spec({"type": "flat"}, default_dim=64,
                                                                         model_id="m"))

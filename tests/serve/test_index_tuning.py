@@ -62,9 +62,9 @@ def test_select_keeps_the_fastest_candidate_that_reaches_the_target():
 
 def _wait_tuned(idx: ManagedIndex, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while (idx.retuning or idx.cfg.tuned_at == 0) and time.monotonic() < deadline:
+    while (idx.tuning.running or idx.cfg.tuned_at == 0) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not idx.retuning and idx.cfg.tuned_at, "the re-tune did not finish"
+    assert not idx.tuning.running and idx.cfg.tuned_at, "the re-tune did not finish"
 
 
 def test_auto_index_retunes_as_it_grows_and_survives_a_restart(tmp_path: Path):
@@ -73,12 +73,12 @@ def test_auto_index_retunes_as_it_grows_and_survives_a_restart(tmp_path: Path):
     idx = store.create("auto", {"type": "auto", "exact_below": 2_000, "deletes": False, "target_recall": 0.9})
     assert idx.cfg.type == "flat" and idx.cfg.auto and idx.cfg.next_tuning() == 2_000
     idx.add(list(range(1_999)), x[:1_999], None)
-    assert idx.cfg.type == "flat" and not idx.retuning
+    assert idx.cfg.type == "flat" and not idx.tuning.running
     idx.add(list(range(1_999, 2_500)), x[1_999:2_500], None)  # crosses exact_below: re-tunes in the background
     idx.add(list(range(2_500, 3_000)), x[2_500:3_000], None)  # applied meanwhile, replayed onto the new index
     _wait_tuned(idx)
     assert idx.cfg.type != "flat" and idx.cfg.tuned_at == 2_500 and idx.ntotal == 3_000
-    assert idx.cfg.next_tuning() == 5_000 and idx.last_tuning["chosen"] == idx.cfg.type
+    assert idx.cfg.next_tuning() == 5_000 and idx.tuning.last["chosen"] == idx.cfg.type
     q = x[:200] + 0.01
     hits = idx.search(q, 10)
     found = np.array([[h["id"] for h in row] for row in hits])
@@ -163,7 +163,7 @@ def test_gpu_copies_answer_like_the_cpu_index(tmp_path: Path, spec):
         idx.add(list(range(3_000)), x[:3_000], None)
     assert gpu.stats()["device"] == "cuda"
     a, b = cpu.search(x[:50], 5), gpu.search(x[:50], 5)
-    assert [[h["id"] for h in r] for r in a] == [[h["id"] for h in r] for r in b] and gpu.gpu_index is not None
+    assert [[h["id"] for h in r] for r in a] == [[h["id"] for h in r] for r in b] and gpu.gpu.copy is not None
     for idx in (cpu, gpu):  # adds follow the GPU copy; a removal rebuilds it from the CPU index
         idx.add(list(range(3_000, 4_000)), x[3_000:], None)
         idx.remove([0, 1])
@@ -189,12 +189,12 @@ def test_the_gpu_copy_follows_adds_and_is_rebuilt_after_other_changes(tmp_path: 
         return [[h["id"] for h in r] for r in a] == [[h["id"] for h in r] for r in b]
 
     both(lambda idx: idx.add(list(range(500)), x[:500]))
-    assert gpu.stats()["device"] == "cuda" and cpu.stats()["device"] == "cpu" and gpu.gpu_index is None
-    assert same_hits() and len(copies) == 1 and gpu.gpu_index is copies[0]  # made by the first search
+    assert gpu.stats()["device"] == "cuda" and cpu.stats()["device"] == "cpu" and gpu.gpu.copy is None
+    assert same_hits() and len(copies) == 1 and gpu.gpu.copy is copies[0]  # made by the first search
     both(lambda idx: idx.add(list(range(500, 600)), x[500:]))  # a plain add goes to the copy too
-    assert gpu.gpu_index is copies[0] and copies[0].ntotal == 600 and same_hits()
+    assert gpu.gpu.copy is copies[0] and copies[0].ntotal == 600 and same_hits()
     both(lambda idx: idx.add([0], x[1:2]))  # a replacement cannot follow: dropped, copied again at the next search
-    assert gpu.gpu_index is None and same_hits() and len(copies) == 2
+    assert gpu.gpu.copy is None and same_hits() and len(copies) == 2
     both(lambda idx: idx.remove([1, 2]))
-    assert gpu.gpu_index is None and same_hits() and len(copies) == 3 and copies[2].ntotal == 598
+    assert gpu.gpu.copy is None and same_hits() and len(copies) == 3 and copies[2].ntotal == 598
     both(lambda idx: idx.close())

@@ -29,7 +29,8 @@ from msn_core.bundle import load_bundle_info
 from msn_serve.corpus.to_milvus import shards_to_milvus
 from msn_serve.index_tools import cli as msn_index
 from msn_serve.indexes.config import config_from_spec
-from msn_serve.indexes.milvus import MilvusConnection, MilvusIndex, NotReady
+from msn_serve.indexes.milvus import MilvusIndex, NotReady
+from msn_serve.indexes.milvus_conn import MilvusConnection
 from msn_serve.indexes.store import IndexStore
 
 DIM, OLD_N, NEW_N, IMAGES = 16, 12, 9, 4
