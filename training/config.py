@@ -21,8 +21,24 @@ from msn_core.features import FeatureError, parse_feature
 from msn_core.sources import FILE_SOURCES, SOURCES
 
 
+class FrozenConfigError(AttributeError):
+    """A write into a config that was frozen (``freeze``): the run decided it before its loop, and changes it during
+    the run only by replacing it (``with_keys``), through its one event mechanism (``training/run/events.py``)."""
+
+
+class _Section:
+    """A config section (or the whole tree) that refuses writes once ``freeze`` marked it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise FrozenConfigError(f"cannot set {type(self).__name__}.{name}: the run's config is frozen once "
+                                    "decided; a change during the run replaces it (training/run/events.py)")
+        object.__setattr__(self, name, value)
+
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     arch: str = "vit_small"  # vit_tiny | vit_small | vit_base | vit_large | vit_huge | deit_small_convstem | vitc_4gf
     patch_size: int = 16
     image_size: int = 224  # size of the target and (masked) anchor views
@@ -48,7 +64,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     # auto | folder | image_folder | file_list | fashion-mnist | synthetic (msn_core/sources.py). auto: a file is a
     # file list; a folder is an image folder when every image sits in root/<class>/, else an unlabelled folder
     source: str = "auto"
@@ -69,7 +85,7 @@ class DataConfig:
 
 
 @dataclass
-class MaskConfig:
+class MaskConfig(_Section):
     """The geometry of MSN's views: the patch-dropped anchor and the small focal crops ("focal masks")."""
 
     ratio: float = 0.15  # fraction of the anchor view's patches dropped (official `patch_drop`)
@@ -82,7 +98,7 @@ class MaskConfig:
 
 
 @dataclass
-class AugmentConfig:
+class AugmentConfig(_Section):
     """Photometric augmentation and flips, applied to every view; defaults are the official (SimCLR) recipe."""
 
     color_jitter_strength: float = 0.5  # s: brightness, contrast, saturation 0.8 s, hue 0.2 s
@@ -101,7 +117,7 @@ class AugmentConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(_Section):
     temperature: float = 0.1
     sharpen_start: float = 0.25
     sharpen_end: float = 0.25
@@ -113,7 +129,7 @@ class LossConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(_Section):
     epochs: int = 800
     warmup_epochs: float = 15  # with total_steps or budget_minutes: the same fraction (warmup / epochs) of the run
     total_steps: int | None = None  # schedule length in optimiser steps, instead of epochs
@@ -135,7 +151,7 @@ class OptimConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Section):
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     # auto | fp32 | bf16. auto: bf16 on GPUs that support it, fp32 on CPUs without bf16 units; on CPUs with them
@@ -174,7 +190,7 @@ class RunConfig:
 
 
 @dataclass
-class Config:
+class Config(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mask: MaskConfig = field(default_factory=MaskConfig)
@@ -238,6 +254,26 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     _derive(cfg, explicit_patch_size=isinstance(model, dict) and model.get("patch_size") is not None)
     validate(cfg)
     return cfg
+
+
+def freeze(cfg: Config) -> Config:
+    """Mark ``cfg`` and its sections read-only and return it: the run's resolved config, which its parts hold by
+    reference, cannot be changed behind their backs (a frozen config's lists are the values it was decided with)."""
+    for section in (cfg, *(getattr(cfg, f.name) for f in dataclasses.fields(cfg))):
+        object.__setattr__(section, "_frozen", True)
+    return cfg
+
+
+def with_keys(cfg: Config, sets: dict[str, Any]) -> Config:
+    """A new config: ``cfg`` with the dotted keys of ``sets`` replaced, checked the way ``--set`` is (a whole config
+    is built from the result, so a bad value is refused and ``cfg`` is left as it was). Not frozen."""
+    raw = cfg.to_dict()
+    for key, value in sets.items():
+        section, _, name = key.partition(".")
+        if not isinstance(raw.get(section), dict) or name not in raw[section]:
+            raise ConfigError(f"unknown config key {key!r}")
+        raw[section][name] = value
+    return config_from_dict(raw)
 
 
 def _derive(cfg: Config, *, explicit_patch_size: bool = False) -> None:

@@ -14,8 +14,10 @@ match the sharpened, Sinkhorn-balanced assignment of the target (training/model/
 `optim.epochs`, `optim.total_steps` optimiser steps, or `optim.budget_minutes` of wall-clock time, decided
 before the loop (training/run/length.py); a budget run resizes it from its measured rate (training/run/budget.py).
 
-`main` reads top to bottom: config (and the plan) -> distributed -> build (and resume, precision; then
-``config.yaml`` is written, once) -> run length -> loop -> save. ``checkpoint.pt`` is ``training/run/checkpoints.py``'s.
+`main` reads top to bottom: config (and the plan) -> distributed -> build (and resume) -> decide (speed settings,
+run length, the settings that follow it; the config is frozen and ``config.yaml`` written, once:
+``training/run/decide.py``) -> loop (changed only by events: ``training/run/events.py``) -> save.
+``checkpoint.pt`` is ``training/run/checkpoints.py``'s.
 Resuming happens with ``--resume``, or by itself when torchrun restarts the workers of this launch
 (docs/training.md#restarts-under-torchrun).
 """
@@ -45,14 +47,15 @@ from training.config import (
     read_raw_config,
     set_key,
 )
-from training.run.adapt import OnStall, apply_to_config
-from training.run.build import Run, build_augment, build_run
+from training.run.adapt import OnStall
+from training.run.build import Run, build_run
 from training.run.checkpoints import Checkpoints
 from training.run.collapse import CollapseDetector, RunGeometry
-from training.run.length import RunLength, RunSchedule, schedule_run
+from training.run.decide import Decisions, decide_run
+from training.run.events import RunEvents
+from training.run.length import RunLength
 from training.run.monitor import TrainingMonitor
 from training.run.plan import Plan, parse_budget, plan_config, set_length
-from training.run.precision_timing import SpeedChoice, choose_speed, use_setting
 from training.run.probe import build_probe
 from training.run.stall import Adaptation, StallDetector, StallSettings
 from training.run.state import Progress, TrainState, batches_from
@@ -115,25 +118,20 @@ def main(argv: list[str] | None = None) -> None:
         resumed = checkpoints.should_resume(asked=args.resume)  # --resume, or torchrun restarting this launch
         if resumed:
             progress = checkpoints.resume()
-            if checkpoints.stored_adaptation is not None:  # the run had switched itself (--on-stall adapt)
-                apply_to_config(cfg, checkpoints.stored_adaptation.sets)
-                run.augment = build_augment(cfg, run.mean, run.std, run.device)
         init_run(run, cfg.run.init_from, resumed=resumed)  # warm start (training/bundle/warm_start.py)
-        # precision, bf16 CPU attention, CPU threads: auto times the candidates on this run's steps, undone
-        # (run/precision_timing.py); a resumed run keeps its checkpoint's
-        stored = {**(checkpoints.stored_run or {}), "precision": checkpoints.stored_precision} if resumed else None
-        choice = choose_speed(run, stored=stored)
-        keep_precision(run, choice, plan)
-        if info.rank == 0:  # nothing changes the config after the precision: it is written now, once
-            write_run_config(run.cfg, args.output_dir, plan, choice, checkpoints.stored_adaptation)
         probe = build_probe(run) if info.rank == 0 else None  # kNN on labelled images, if any (training/run/probe.py)
-        # 4. run length (stored, or from steps, a timed budget or epochs) and the schedules over it; a budget run
-        # resizes both from its measured rate (training/run/budget.py; a timed precision's rate seeds the first
-        # length, so no step is timed twice); every checkpoint stores the length
-        schedule = schedule_run(run, stored=checkpoints.stored_length, started_at=started_at,
-                                seconds_per_step=choice.chosen_seconds_per_step)
+        # 4. decide: the speed settings (auto times them on this run's steps, undone; a resumed run keeps its
+        # checkpoint's), the run length (stored, or from steps, a timed budget or epochs: the timing's rate sizes a
+        # budget, so no step is timed twice), the settings that follow the length; then the config is frozen and
+        # written, once (training/run/decide.py). From here on only events change the run (training/run/events.py):
+        # a budget's resizes, a stall's switch; every checkpoint stores them
+        decisions, events = decide_run(run, plan, checkpoints, resumed=resumed, started_at=started_at)
+        cfg, schedule = run.cfg, events.schedule
         state.length = schedule
         length = schedule.length
+        if info.rank == 0:
+            decisions.announce()
+            write_run_config(cfg, args.output_dir, decisions, checkpoints.stored_adaptation)
         # 5. loop: optimiser steps with logs and periodic checkpoints
         stall_settings = StallSettings.from_config(cfg, run.global_batch,
                                                    plan.survey.detail_side if plan is not None else None)
@@ -147,10 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                                                                start_step=progress.step),
                                   view_probe=view_probe)
         monitor.write(describe(run, length))
-        on_stall = OnStall(run, schedule, checkpoints,
-                           rewrite_config=lambda adapted: write_run_config(run.cfg, args.output_dir, plan, choice,
-                                                                           adapted))
-        last = train_loop(run, schedule, progress, monitor, checkpoints, on_stall)
+        on_stall = OnStall(events, rewrite_config=lambda adapted: write_run_config(run.cfg, args.output_dir,
+                                                                                   decisions, adapted))
+        last = train_loop(run, events, progress, monitor, checkpoints, on_stall)
         # 6. save: the last step's checkpoint, unless the loop just wrote it
         if last is not None and checkpoints.saved_step != progress.step:
             checkpoints.save(progress, last)
@@ -196,15 +193,15 @@ def resolve_config(args: argparse.Namespace) -> tuple[Config, Plan | None]:
     return config_from_dict(raw), plan
 
 
-def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: TrainingMonitor,
+def train_loop(run: Run, events: RunEvents, progress: Progress, monitor: TrainingMonitor,
                checkpoints: Checkpoints, on_stall: OnStall | None = None) -> StepOutput | None:
-    """Optimiser steps from ``progress`` to ``schedule.length.stop_at`` (which a budget run resizes as it goes), with
-    logs and periodic and epoch checkpoints.
+    """Optimiser steps from ``progress`` to the schedule's ``stop_at`` (which a budget run's resize events move), with
+    logs and periodic and epoch checkpoints. The loop reads ``run.cfg`` and changes the run only through ``events``.
 
     Returns the last step's output (None when there was no step left); the caller writes the last checkpoint.
     """
-    cfg, last, skipped_files = run.cfg, None, 0
-    batches = batches_from(run.loader, run.sampler, progress, cfg.data.batch_size)
+    schedule, last, skipped_files = events.schedule, None, 0
+    batches = batches_from(run.loader, run.sampler, progress, run.cfg.data.batch_size)
     schedule.start(progress.step)
     while progress.step < schedule.length.stop_at:
         images, _labels, num_skipped = next(batches)
@@ -213,18 +210,19 @@ def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: Tra
         epoch_ended = progress.advance(run.steps_per_epoch)
         fault_point("step", progress.step)  # test hook (MSN_TEST_KILL_AT): a rank killed mid-run
         monitor.step(run.global_batch)
-        if schedule.after_step(progress.step) is not None and monitor.bar is not None:
+        if events.after_step(progress.step) is not None and monitor.bar is not None:
             monitor.bar.total = schedule.length.stop_at  # the progress bar follows the resized end
-        if progress.step % cfg.run.log_every_steps == 0 or progress.step == schedule.length.stop_at:
+        settings = run.cfg.run  # the config of now: a stall's switch replaces it (training/run/events.py)
+        if progress.step % settings.log_every_steps == 0 or progress.step == schedule.length.stop_at:
             monitor.log(progress.step, progress.epoch, log_record(last, run, skipped_files),
                         final=progress.step == schedule.length.stop_at)
             if monitor.should_stop():  # run.stop_on_collapse and a collapse confirmed: every rank stops here
                 break
             if on_stall is not None:  # --on-stall adapt: once, every rank switches, checkpoints and says so
                 on_stall.after_log(progress, last, monitor.stall)
-        if progress.step % cfg.run.checkpoint_every_steps == 0 or epoch_ended:
+        if progress.step % settings.checkpoint_every_steps == 0 or epoch_ended:
             checkpoints.save(progress, last)
-            keep_every = cfg.run.keep_epoch_checkpoints
+            keep_every = settings.keep_epoch_checkpoints
             if epoch_ended and keep_every and progress.epoch % keep_every == 0:
                 checkpoints.keep_epoch_copy(progress.epoch)
     if skipped_files:
@@ -232,38 +230,11 @@ def train_loop(run: Run, schedule: RunSchedule, progress: Progress, monitor: Tra
     return last
 
 
-def keep_precision(run: Run, choice: SpeedChoice, plan: Plan | None) -> None:
-    """Train in the chosen settings (precision, and on a CPU the bf16 attention kernel and threads) and say so: the
-    config (and so ``config.yaml`` and the checkpoints) holds their resolved values; a planned run's plan takes each
-    as its line, unless ``--set`` fixed it, and rank 0 prints the plan block with them (a run from a recipe logs
-    each reason)."""
-    use_setting(run, choice.setting)
-    for key, value in choice.values().items():
-        setattr(run.cfg.run, key.split(".")[1], value)
-        if plan is not None and key not in plan.fixed:
-            plan.values[key], plan.reasons[key] = value, choice.reasons[key]
-    if run.info.rank != 0:
-        return
-    if plan is not None:
-        print(plan.describe(), flush=True)
-    else:
-        for key, value in choice.values().items():
-            log.info("%s %s: %s", key, value, choice.reasons[key])
-
-
-def write_run_config(cfg: Config, output_dir: Path, plan: Plan | None, choice: SpeedChoice,
-                     adapted: Adaptation | None = None) -> None:
-    """Write the run's ``config.yaml``: the one writer, called by rank 0 once the config is settled (after resuming
-    and the speed choice, the last step that changes it). Beside the resolved config, a ``plan`` section that
-    loading skips says why: a planned run's plan, or for a run from a recipe the speed settings' reasons, with the
-    timing's measurement (``speed_timing``) when they were timed. A run that switched itself on a stall
-    (``--on-stall adapt``) writes it again then, with the switch as ``adapted``."""
-    record = plan.record() if plan is not None else {"why": dict(choice.reasons)}
-    if choice.timed:
-        record["speed_timing"] = choice.record()
-    if adapted is not None:
-        record["adapted"] = adapted.record()
-    dump_config(cfg, output_dir / "config.yaml", plan=record)
+def write_run_config(cfg: Config, output_dir: Path, decisions: Decisions, adapted: Adaptation | None = None) -> None:
+    """Write the run's ``config.yaml``: the one writer, called by rank 0 once the decision stage has frozen the
+    config. Beside the resolved config, a ``plan`` section that loading skips says why (``Decisions.record``). A run
+    that switched itself on a stall (``--on-stall adapt``) writes it again then, with the switch as ``adapted``."""
+    dump_config(cfg, output_dir / "config.yaml", plan=decisions.record(adapted))
 
 
 def describe(run: Run, length: RunLength) -> str:

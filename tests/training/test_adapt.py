@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from tests.training.test_stall import TINY
-from training.config import Config, ConfigError
-from training.run.adapt import adapt_schedules, apply_to_config
+from training.config import Config, ConfigError, FrozenConfigError, freeze, with_keys
+from training.run.events import adapt_schedules
 from training.run.length import RunLength, RunSchedule, build_schedules
 from training.run.schedules import ResizedSchedules
 from training.run.stall import Adaptation
@@ -28,16 +28,17 @@ def _config() -> Config:
     return cfg
 
 
-def test_the_advice_is_set_on_the_config_in_place_and_checked_like_a_set():
-    cfg = _config()
-    mask = cfg.mask  # the run's parts hold the sections: they must see the change
-    apply_to_config(cfg, {"mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.15, "optim.lr": 2.5e-4})
-    assert mask.rand_crop_scale == [0.6, 1.0] and cfg.mask.ratio == 0.15 and cfg.optim.lr == 2.5e-4
-    with pytest.raises(ConfigError, match="unknown key"):
-        apply_to_config(cfg, {"mask.nothing": 1})
+def test_the_advice_replaces_the_frozen_config_checked_like_a_set():
+    cfg = freeze(_config())
+    with pytest.raises(FrozenConfigError):  # the decided config is read-only: a switch replaces it
+        cfg.optim.lr = 1.0
+    adapted = with_keys(cfg, {"mask.rand_crop_scale": [0.6, 1.0], "mask.ratio": 0.3, "optim.lr": 2.5e-4})
+    assert adapted.mask.rand_crop_scale == [0.6, 1.0] and adapted.mask.ratio == 0.3 and adapted.optim.lr == 2.5e-4
+    assert cfg.mask.rand_crop_scale == [0.3, 1.0] and cfg.mask.ratio == 0.15 and cfg.optim.lr == 1e-3  # as it was
+    with pytest.raises(ConfigError, match="unknown config key"):
+        with_keys(cfg, {"mask.nothing": 1})
     with pytest.raises(ConfigError):
-        apply_to_config(cfg, {"run.on_stall": "explode"})
-    assert cfg.run.on_stall == "warn"  # a rejected advice changes nothing
+        with_keys(cfg, {"run.on_stall": "explode"})
 
 
 def test_new_learning_rates_take_effect_from_the_step_and_keep_the_length_and_resizes():
@@ -46,8 +47,7 @@ def test_new_learning_rates_take_effect_from_the_step_and_keep_the_length_and_re
     first = RunLength(total_steps=1000, warmup_steps=100, stop_at=1000, decided_by="test")
     schedule = RunSchedule(first, ResizedSchedules(build_schedules(cfg, first)).resize(50, 1200))
     before = schedule.schedules.at(60).lr
-    apply_to_config(cfg, {"optim.lr": 2.5e-4, "optim.start_lr": 2e-4})
-    adapt_schedules(schedule, cfg)
+    adapt_schedules(schedule, with_keys(cfg, {"optim.lr": 2.5e-4, "optim.start_lr": 2e-4}))
     assert schedule.schedules.total_steps == 1200 and schedule.schedules.resizes == ((50, 1200),)
     assert schedule.schedules.at(60).lr == pytest.approx(100 * before, rel=0.02)
 

@@ -180,7 +180,9 @@ def _run_loop(schedule: RunSchedule, step_seconds, clock) -> list[float]:
         lrs.append(schedule.schedules.at(step).lr)
         step_seconds(step)
         step += 1
-        schedule.after_step(step)
+        resize = schedule.due_resize(step)
+        if resize is not None:  # what the run's resize event does to its schedule (training/run/events.py)
+            schedule.apply(resize)
     return lrs
 
 

@@ -131,14 +131,15 @@ def test_the_faster_is_kept_and_trains_the_weights_it_would_set_explicitly(bf16_
 
 
 def test_config_yaml_records_the_resolved_precision_and_the_measurement(tmp_path):
-    from training.pretrain import keep_precision, write_run_config
+    from training.config import with_keys
+    from training.pretrain import write_run_config
+    from training.run.decide import Decisions, settle_speed
 
     run = _run()
     choice = SpeedChoice(Setting("fp32", "explicit", torch.get_num_threads()), {"run.precision": "auto"},
                          {"run.precision": "the faster of fp32 1600 and bf16 800 images/s, timed"},
                          {"fp32": 0.01, "bf16": 0.02}, "fp32", global_batch=16, steps=36, seconds=5.0)
-    keep_precision(run, choice, None)
-    write_run_config(run.cfg, tmp_path, None, choice)
+    write_run_config(with_keys(run.cfg, settle_speed(run, choice, None)), tmp_path, Decisions(None, choice))
     assert run.precision == "fp32" and run.autocast is not None
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written["run"]["precision"] == "fp32"

@@ -217,21 +217,24 @@ def test_one_step_loss_is_the_same_with_either_kernel():
 
 
 def test_the_plan_block_and_a_recipe_run_show_each_choice(tmp_path, capsys, caplog):
-    from training.pretrain import keep_precision, write_run_config
+    from training.config import with_keys
+    from training.pretrain import write_run_config
+    from training.run.decide import Decisions, settle_speed
 
     run = _run(*BF16)
     timer, _ = _clock({("bf16", "explicit", None): 0.02, ("bf16", "sdpa", None): 0.01})
     choice = choose_speed(run, timer=timer)
     plan = plan_run(DataSurvey("synthetic", 64, 16, True), CPU_MACHINE, {"optim.budget_minutes": 10})
     assert plan.values["run.cpu_attention"] == "auto"
-    keep_precision(run, choice, plan)
+    values = settle_speed(run, choice, plan)
+    Decisions(plan, choice).announce()
     line = next(x for x in capsys.readouterr().out.splitlines() if "run.cpu_attention" in x)
     assert "sdpa" in line and "the faster of explicit 800 and sdpa 1600 images/s" in line
-    assert run.cfg.run.cpu_attention == "sdpa" and _kernels(run) == {"sdpa"}
+    assert values["run.cpu_attention"] == "sdpa" and _kernels(run) == {"sdpa"}
     with caplog.at_level(logging.INFO, logger="msn.train"):
-        keep_precision(run, choice, None)
+        Decisions(None, choice).announce()
     assert any(r.getMessage().startswith("run.cpu_attention sdpa: the faster of") for r in caplog.records)
-    write_run_config(run.cfg, tmp_path, None, choice)
+    write_run_config(with_keys(run.cfg, values), tmp_path, Decisions(None, choice))
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert written["run"]["cpu_attention"] == "sdpa" and written["run"]["cpu_threads"] == torch.get_num_threads()
     assert written["plan"]["speed_timing"]["images_per_second"] == {"explicit": 800.0, "sdpa": 1600.0}

@@ -4,11 +4,12 @@ The stall warning (``training/run/stall.py``) names a likely cause and the ``--s
 ``run.on_stall: adapt`` (``--on-stall adapt``; off by default: a run does what it was told unless asked) the run
 takes that advice itself the first time, without a restart:
 
-- the config keys the advice names are set on the run's config (so ``config.yaml``, every later checkpoint and
-  the exported bundle's training summary hold the adapted values);
-- what was built from them is rebuilt: the views (crops, masking, jitter) or the schedules (the learning rate's
-  warm-up and peak, or the targets' sharpening, from the same step on: the step counter, the run length and every
-  resize are kept);
+- the switch is a run event (``training/run/events.py``, the one way a decided run changes): the run's config is
+  replaced by one holding the advised keys (so ``config.yaml``, every later checkpoint and the exported bundle's
+  training summary hold the adapted values), and what was built from them is rebuilt as
+  ``training/run/advice.py``'s table declares: the views (crops, masking, jitter) or the schedules (the learning
+  rate's warm-up and peak, or the targets' sharpening, from the same step on: the step counter, the run length and
+  every resize are kept);
 - a checkpoint is written at that step holding the adaptation (``adapted``), and ``config.yaml`` is rewritten
   with an ``adapted`` record in its plan section; the log says so. A resumed run re-applies a checkpoint's
   adaptation before it builds its schedules, so it continues with what the run had switched to.
@@ -20,55 +21,18 @@ others learn it at the next logged step (one small collective per logged step, o
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from training import distributed as dist
-from training.config import Config, ConfigError, config_from_dict
-from training.run.build import Run, build_augment
-from training.run.checkpoints import Checkpoints
-from training.run.length import RunSchedule, build_schedules
+from training.run.events import RunEvents
 from training.run.stall import Adaptation, Stall
 from training.run.state import Progress
 from training.run.step import StepOutput
 
-__all__ = ["Adaptation", "OnStall", "adapt_run", "agree_on_adaptation", "apply_to_config"]
+__all__ = ["Adaptation", "OnStall", "agree_on_adaptation"]
 
 log = logging.getLogger("msn.train")
-
-VIEW_KEYS = ("mask.rand_crop_scale", "augment.")
-SCHEDULE_KEYS = ("optim.lr", "optim.start_lr", "loss.sharpen_start", "loss.sharpen_end")
-
-
-def apply_to_config(cfg: Config, sets: dict[str, Any]) -> None:
-    """Set the dotted keys on ``cfg`` in place, after checking them the way ``--set`` is checked (a whole config
-    built from the result): the run's other parts hold references to ``cfg`` and its sections."""
-    raw = cfg.to_dict()
-    for key, value in sets.items():
-        section, _, name = key.partition(".")
-        if section not in raw or name not in raw[section]:
-            raise ConfigError(f"adaptation names an unknown key {key!r}")
-        raw[section][name] = value
-    checked = config_from_dict(raw)
-    for key in sets:
-        section, _, name = key.partition(".")
-        setattr(getattr(cfg, section), name, getattr(getattr(checked, section), name))
-
-
-def adapt_run(run: Run, schedule: RunSchedule, adaptation: Adaptation) -> None:
-    """Switch the built run to ``adaptation``: its config, then the views and the schedules built from it."""
-    apply_to_config(run.cfg, adaptation.sets)
-    if any(key.startswith(VIEW_KEYS) for key in adaptation.sets):
-        run.augment = build_augment(run.cfg, run.mean, run.std, run.device)
-    if any(key in SCHEDULE_KEYS for key in adaptation.sets):
-        adapt_schedules(schedule, run.cfg)
-
-
-def adapt_schedules(schedule: RunSchedule, cfg: Config) -> None:
-    """The same schedules (length, warm-up, resizes) rebuilt from the config's learning rates and sharpening."""
-    schedule.schedules = dataclasses.replace(schedule.schedules, base=build_schedules(cfg, schedule.first))
 
 
 def agree_on_adaptation(stall: Stall | None, step: int, rank: int) -> Adaptation | None:
@@ -82,26 +46,26 @@ def agree_on_adaptation(stall: Stall | None, step: int, rank: int) -> Adaptation
 
 class OnStall:
     """What the loop does about a stall at each logged step: nothing more than the warning (``warn``), or, once,
-    the switch (``adapt``): every rank agrees, adapts, checkpoints; rank 0 rewrites ``config.yaml``."""
+    the switch (``adapt``): every rank agrees, applies it as a run event, checkpoints; rank 0 rewrites
+    ``config.yaml``."""
 
-    def __init__(self, run: Run, schedule: RunSchedule, checkpoints: Checkpoints,
-                 rewrite_config: Callable[[Adaptation], None]) -> None:
-        self.run, self.schedule, self.checkpoints, self.rewrite_config = run, schedule, checkpoints, rewrite_config
-        self.adapted: Adaptation | None = checkpoints.stored_adaptation  # once per run, resumes included
-        self.active = run.cfg.run.on_stall == "adapt" and self.adapted is None
+    def __init__(self, events: RunEvents, rewrite_config: Callable[[Adaptation], None]) -> None:
+        self.events, self.rewrite_config = events, rewrite_config
+        self.adapted: Adaptation | None = events.checkpoints.stored_adaptation  # once per run, resumes included
+        self.active = events.run.cfg.run.on_stall == "adapt" and self.adapted is None
 
     def after_log(self, progress: Progress, last: StepOutput, stall: Stall | None) -> bool:
         """True when the run switched at this step."""
         if not self.active:
             return False
-        adaptation = agree_on_adaptation(stall, progress.step, self.run.info.rank)
+        run = self.events.run
+        adaptation = agree_on_adaptation(stall, progress.step, run.info.rank)
         if adaptation is None:
             return False
         self.active, self.adapted = False, adaptation
-        adapt_run(self.run, self.schedule, adaptation)
-        self.checkpoints.adaptation = adaptation
-        self.checkpoints.save(progress, last)
-        if self.run.info.rank == 0:
+        self.events.apply(adaptation)
+        self.events.checkpoints.save(progress, last)
+        if run.info.rank == 0:
             self.rewrite_config(adaptation)
         log.warning("%s", adaptation.describe())
         return True

@@ -4,8 +4,9 @@ Users think in minutes and GPU-hours, not epochs. With ``optim.budget_minutes`` 
 over:
 
 1. **Before the loop** ``training/run/length.py`` has ``calibrate_budget`` time a few real optimiser steps on batches
-   from the loader (every weight, optimiser moment and RNG stream is put back afterwards, so calibration leaves no
-   trace) and keeps the step count that fits in what is left of the budget. Warm-up is fixed here, in steps.
+   from the loader (trial steps, ``training/run/trial.py``: every weight, optimiser moment and RNG stream is put
+   back afterwards, so calibration leaves no trace) and keeps the step count that fits in what is left of the
+   budget. Warm-up is fixed here, in steps.
 2. **During the loop** the step time drifts: it got faster after calibration on the demo (a 10-minute budget
    ended after 9.0 minutes) and slower on a folder of PNGs, where decoding sets the pace. ``BudgetResizer``
    therefore looks again every 2 % of the run's first length: from the rate of the recent steps, measured on the wall
@@ -28,7 +29,6 @@ resizes; resizes follow the wall clock, which a second run does not repeat exact
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from training import distributed as dist
-from training.checkpoint import capture_rng_state, restore_rng_state
+from training.run.trial import undone, wall_seconds
 
 __all__ = ["BUDGET_OVERHEAD", "BudgetCalibration", "BudgetResizer", "Resize", "calibrate_budget", "steps_for_budget"]
 
@@ -89,20 +89,8 @@ def calibrate_budget(step_fn: Callable[[int], None], modules: list[torch.nn.Modu
     the pace of a synchronous data-parallel run).
     """
     calibration_start = time.monotonic()
-    saved_modules = [copy.deepcopy(m.state_dict()) for m in modules]
-    saved_optimizer = copy.deepcopy(optimizer.state_dict())
-    saved_rng = capture_rng_state(mask_generator)
-    durations = []
-    for i in range(WARMUP_STEPS + CALIBRATION_STEPS):
-        dist.synchronize()
-        start = time.perf_counter()
-        step_fn(i)
-        dist.synchronize()
-        durations.append(time.perf_counter() - start)
-    for module, state in zip(modules, saved_modules, strict=True):
-        module.load_state_dict(state)
-    optimizer.load_state_dict(saved_optimizer)
-    restore_rng_state(saved_rng, mask_generator)
+    with undone(modules, optimizer, mask_generator):  # training/run/trial.py: the steps leave no trace
+        durations = [wall_seconds(lambda i=i: step_fn(i)) for i in range(WARMUP_STEPS + CALIBRATION_STEPS)]
     seconds_per_step = sorted(durations[WARMUP_STEPS:])[CALIBRATION_STEPS // 2]  # median: robust to a hiccup
     elapsed = time.monotonic() - started_at
     total = steps_for_budget(budget_seconds, elapsed, seconds_per_step, overhead_fraction)

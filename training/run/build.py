@@ -1,7 +1,8 @@
 """Everything a pretraining run is made of, built from the config: data, views, masks, networks, loss, optimiser.
 
-``training/pretrain.py`` builds a ``Run`` here, decides its length (``training/run/length.py``, which also makes
-the schedules) and then only loops over ``training/run/step.py``'s ``train_step``.
+``training/pretrain.py`` builds a ``Run`` here from the planned (or recipe's) config, decides the rest of its settings
+and its length (``training/run/decide.py``; the run's ``cfg`` is then the frozen resolved config) and then only loops
+over ``training/run/step.py``'s ``train_step``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Run:
     criterion: MSNLoss
     optimizer: torch.optim.Optimizer
     mask_generator: torch.Generator
-    precision: str  # "fp32" or "bf16": the flag rule's (training.run.precision) until pretrain.py's choice
+    precision: str  # "fp32" or "bf16": the flag rule's (training.run.precision) until the decision stage's
     autocast: Callable[[], AbstractContextManager]
     mean: list[float]
     std: list[float]

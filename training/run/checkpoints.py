@@ -45,8 +45,8 @@ class Checkpoints:
     stored_precision: str | None = field(default=None, init=False)  # what the resumed checkpoint trained in
     stored_run: dict[str, Any] | None = field(default=None, init=False)  # its run config (attention kernel, threads)
     stored_length: StoredLength | None = field(default=None, init=False)  # the resumed run's length, if stored
-    # a switch made on a stall (--on-stall adapt, training/run/adapt.py): stored in every later checkpoint, and the
-    # one a resumed checkpoint holds
+    # a switch made on a stall (--on-stall adapt; a run event, training/run/events.py, sets it): stored in every
+    # later checkpoint, and the one a resumed checkpoint holds
     adaptation: Adaptation | None = field(default=None, init=False)
     stored_adaptation: Adaptation | None = field(default=None, init=False)
     _stored: dict[str, Any] | None = field(default=None, init=False, repr=False)  # rank 0's copy: read once

@@ -16,9 +16,11 @@ budget it is the same fraction of the run, ``warmup_epochs / epochs``. ``build_s
 into the cosine learning-rate, weight-decay and EMA schedules, which therefore end with the budget.
 
 ``RunSchedule`` is what the loop holds: the length and the schedules, and for a budget run the ``BudgetResizer``
-that moves the end (and stretches the schedules) when the measured step time says the budget buys more or fewer
-steps. ``RunSchedule.checkpoint_entries`` is what a checkpoint stores of it; ``StoredLength.read`` reads it back,
-from checkpoints of every earlier format too.
+that asks to move the end (and stretch the schedules) when the measured step time says the budget buys more or fewer
+steps; the move is a run event (``training/run/events.py``). ``schedule_for`` builds it from the decided config
+(``training/run/decide.py`` decides the length first, then the settings that follow it, then builds).
+``RunSchedule.checkpoint_entries`` is what a checkpoint stores of it; ``StoredLength.read`` reads it back, from
+checkpoints of every earlier format too.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from training.config import Config
 from training.run.budget import BUDGET_OVERHEAD, BudgetResizer, Resize, calibrate_budget, steps_for_budget
 from training.run.build import Run
 from training.run.schedules import ResizedSchedules, Schedules
-from training.run.step import start_hyperparameters, train_step
+from training.run.trial import loader_step
 
 __all__ = ["RunLength", "RunSchedule", "StoredLength", "build_schedules", "config_stop_step", "config_total_steps",
-           "decide_run_length", "schedule_run"]
+           "decide_run_length", "schedule_for", "schedule_run"]
 
 log = logging.getLogger("msn.train")
 
@@ -146,24 +148,14 @@ def _steps_in_budget(run: Run, started_at: float, measured: float | None = None)
         log.info("budget %.1f min: %.3f s/step from the precision timing -> %d steps (%.0f images/s)",
                  minutes, measured, total, run.global_batch / measured)
         return total
-    batches = _cycle(run.loader)  # a small dataset may hold fewer batches than calibration takes
-    hyper = start_hyperparameters(run.cfg)
-
-    def step(_: int) -> None:
-        out = train_step(run, hyper, next(batches)[0])
-        out.metrics()  # the loop reads the step's metrics when it logs: the same host sync
-
-    calibration = calibrate_budget(step, [run.online, run.target], run.optimizer, budget_seconds=60 * minutes,
-                                   started_at=started_at, mask_generator=run.mask_generator)
+    step = loader_step(run)  # training/run/trial.py: undone by calibrate_budget
+    calibration = calibrate_budget(lambda _: step(), [run.online, run.target], run.optimizer,
+                                   budget_seconds=60 * minutes, started_at=started_at,
+                                   mask_generator=run.mask_generator)
     log.info("budget %.1f min: %.3f s/step measured over the first steps -> %d steps (%.0f images/s)",
              minutes, calibration.seconds_per_step, calibration.total_steps,
              run.global_batch / calibration.seconds_per_step)
     return calibration.total_steps
-
-
-def _cycle(loader):
-    while True:
-        yield from loader
 
 
 def build_schedules(cfg: Config, length: RunLength) -> Schedules:
@@ -189,7 +181,7 @@ class RunSchedule:
     """The loop's length and schedules; a budget run's ``budget`` resizes both while it runs.
 
     ``first`` is the length decided before the loop (its total and warm-up fix the base schedules); ``length``
-    is the current one. ``after_step`` is called by every rank after every optimiser step.
+    is the current one. ``due_resize`` is called by every rank after every optimiser step.
     """
 
     first: RunLength
@@ -211,15 +203,17 @@ class RunSchedule:
         if self.budget is not None:
             self.budget.start(step)
 
-    def after_step(self, step: int) -> Resize | None:
-        """``step`` steps are done: resize when the budget says so (logged); returns the resize or None."""
+    def due_resize(self, step: int) -> Resize | None:
+        """``step`` steps are done: the resize the budget asks for now, or None. Every rank calls it after every
+        step (the check all-reduces); the resize is applied as a run event (``training/run/events.py``)."""
         if self.budget is None:
             return None
-        resize = self.budget.check(step, self.schedules.total_steps)
-        if resize is not None:
-            self.schedules = self.schedules.resize(step, resize.new_total)
-            log.info(resize.describe())
-        return resize
+        return self.budget.check(step, self.schedules.total_steps)
+
+    def apply(self, resize: Resize) -> None:
+        """The schedules resized: a resize event's part here (``training/run/events.py`` applies and logs it; the
+        checkpoint stores it with the resizes)."""
+        self.schedules = self.schedules.resize(resize.step, resize.new_total)
 
     def summary(self) -> str:
         """How the budget was spent, for the run's last line ('' without a budget)."""
@@ -240,10 +234,15 @@ class RunSchedule:
 def schedule_run(run: Run, *, stored: StoredLength | None, started_at: float,
                  seconds_per_step: float | None = None) -> RunSchedule:
     """The run's schedule: a checkpoint's stored one (``stored``, from ``StoredLength.read``), or a new one
-    (``decide_run_length``; ``seconds_per_step`` as there); with ``optim.budget_minutes``, a ``BudgetResizer``
-    for what is left of it."""
-    cfg = run.cfg
+    (``decide_run_length``; ``seconds_per_step`` as there), by :func:`schedule_for`."""
     first = decide_run_length(run, stored=stored, started_at=started_at, seconds_per_step=seconds_per_step)
+    return schedule_for(run.cfg, first, stored=stored, started_at=started_at)
+
+
+def schedule_for(cfg: Config, first: RunLength, *, stored: StoredLength | None, started_at: float) -> RunSchedule:
+    """The schedules over the decided length ``first`` (and a checkpoint's stored resizes); with
+    ``optim.budget_minutes``, a ``BudgetResizer`` for what is left of it. Built from the run's decided config:
+    the schedules read its learning rates and EMA, the resizer its checkpoint interval."""
     schedules = ResizedSchedules(build_schedules(cfg, first), stored.resizes if stored is not None else ())
     budget = None
     if cfg.optim.budget_minutes is not None:

@@ -41,7 +41,9 @@ How each choice is made (``docs/training.md``, "How a run is planned"):
    Warm-up starts at ``min(2e-4, lr)``.
 6. **Length**: ``--budget`` or ``--epochs``; warm-up 10 % of the run (at most the paper's 15 epochs); schedules
    end with the run (``horizon_scale`` 1); EMA from ``1 - 1/t`` with t about 2 % of the steps (100-250 steps:
-   0.99 to the paper's 0.996).
+   0.99 to the paper's 0.996), and a checkpoint about every 5 %. The model's size is chosen from the step count
+   the machine's estimated step time gives; the EMA and the checkpoint interval are chosen again from the count the
+   run's length decided (``Plan.settle``, ``training/run/decide.py``): a budget's, from its own timed steps.
 7. **Loader workers**: 0 for in-memory data; else from the cores per process. **Precision**: ``auto`` (on a CPU
    with bf16 units the run times fp32 against bf16 on its first steps; the printed block shows what it measured),
    and on a CPU ``run.cpu_attention`` and ``run.cpu_threads`` ``auto``/0, timed in the same pass.
@@ -66,6 +68,7 @@ from training.run.machine import (
     encoder_parameters,
     step_flops_per_image,
 )
+from training.run.precedence import SET_BY_YOU, UNSET, Options, decide
 from training.run.survey import LOW_DETAIL, DataSurvey, survey_data
 
 __all__ = ["LOW_DETAIL", "DataSurvey", "Plan", "lr_for_batch", "parse_budget", "plan_config", "plan_run",
@@ -85,6 +88,9 @@ LOW_DETAIL_CROP, LOW_DETAIL_MASK = 0.6, 0.15
 # Plain backgrounds whose grey differs by at least this much (std, grey levels; training/run/survey.py) get views
 # whose levels are redrawn (``augment.levels_p``)
 LEVEL_SPREAD = 4.0
+# Keys chosen from the run's step count: first from the estimate below (it sizes the model), then again from the
+# count the run's length finally decided (``Plan.settle``: a budget's from its own timed steps)
+STEP_KEYS = ("optim.ema_start", "run.checkpoint_every_steps")
 PARAMS_PER_IMAGE = 85e6 / 1.28e6  # ViT-B/16's trunk on ImageNet-1k's images
 # Model sizes the planner chooses from, smallest first: (arch, depth). Width and heads come from the arch.
 TIERS = (("vit_tiny", 4), ("vit_tiny", 12), ("vit_small", 12))
@@ -135,13 +141,20 @@ class Plan:
     fixed: dict[str, Any] = field(default_factory=dict)
 
     def choose(self, key: str, value: Any, reason: str) -> Any:
-        """``value`` for ``key``, unless the user set it: then theirs (and the plan derives from it)."""
-        if key in self.fixed:
-            self.reasons[key] = "set by you"
-            return self.fixed[key]
-        self.values[key] = value
-        self.reasons[key] = reason
-        return value
+        """``value`` for ``key``, unless the user set it: then theirs (and the plan derives from it). The ladder of
+        ``training/run/precedence.py``, whose other rungs (the machine, a resumed run) the planner never meets."""
+        chosen = decide(key, self.fixed.get(key, UNSET), auto=UNSET, rule=Options(key, (value,), value, reason))
+        if key not in self.fixed:
+            self.values[key] = value
+        self.reasons[key] = chosen.reason
+        return chosen.flag
+
+    def settle(self, total_steps: int) -> dict[str, Any]:
+        """Choose the step-dependent keys (``STEP_KEYS``) again for the ``total_steps`` the run's length decided (a
+        budget's from its timed steps, not the estimate the model was chosen by); returns the values the user did
+        not set (``training/run/decide.py`` puts them in the run's config before anything reads them)."""
+        _step_choices(self, total_steps)
+        return {key: self.values[key] for key in STEP_KEYS if key not in self.fixed}
 
     def record(self) -> dict[str, Any]:
         """The ``plan`` section of ``config.yaml``: the data, the machine, and why each key has its value."""
@@ -314,10 +327,7 @@ class _Candidate:
             ch("optim.epochs", 1, "with a budget or a step count: the unit of the warm-up share below")
             ch("optim.warmup_epochs", 0.1, "warm-up: 10 % of the run")
         ch("optim.horizon_scale", 1.0, "schedules end with the run (the paper's 1.25 stops them at 80 %)")
-        horizon = min(250, max(100, round(0.02 * steps)))
-        ch("optim.ema_start", round(1 - 1 / horizon, 4),
-           f"EMA averaging over ~{horizon} steps, 2 % of the ~{steps:,} planned (0.99 to 0.996)")
-        ch("run.checkpoint_every_steps", min(2500, max(100, int(round(steps / 20, -2)))), "about every 5 % of the run")
+        _step_choices(plan, steps)  # from the estimate here; from the decided length in Plan.settle
         workers = 0 if survey.in_memory else (
             min(10, max(1, machine.cpu_cores // machine.device_count - 1)) if machine.device_type == "cuda"
             else max(1, machine.cpu_cores // (4 * machine.device_count)))
@@ -334,6 +344,15 @@ class _Candidate:
                "(training/run/speed_timing.py)")
             ch("run.cpu_threads", 0, "torch's threads: its default, timed against one fewer when loader workers "
                "share the cores")
+
+
+def _step_choices(plan: Plan, steps: int) -> None:
+    """The choices made from the run's step count (``STEP_KEYS``; module docstring, 6.)."""
+    horizon = min(250, max(100, round(0.02 * steps)))
+    plan.choose("optim.ema_start", round(1 - 1 / horizon, 4),
+                f"EMA averaging over ~{horizon} steps, 2 % of the ~{steps:,} planned (0.99 to 0.996)")
+    plan.choose("run.checkpoint_every_steps", min(2500, max(100, int(round(steps / 20, -2)))),
+                "about every 5 % of the run")
 
 
 def _low_detail_views(plan: Plan, survey: DataSurvey) -> None:
@@ -360,7 +379,7 @@ def _working_size(side: int, *, small: bool) -> int:
 def _batch(shape: StepShape, machine: Machine, survey: DataSurvey, fixed: dict[str, Any]) -> tuple[int, str]:
     """Images per device per step, and why."""
     if fixed.get("data.batch_size"):
-        return int(fixed["data.batch_size"]), "set by you"
+        return int(fixed["data.batch_size"]), SET_BY_YOU
     cap = max(2, min(REFERENCE_BATCH, survey.num_images // 8) // machine.device_count)
     if machine.device_type == "cpu":
         return _power_of_two(min(64 // machine.device_count, cap)), "the small-image recipe's 64 per step on CPUs"

@@ -10,12 +10,12 @@ compilation), then ``WINDOWS`` timed windows of ``WINDOW_STEPS`` steps each, int
 that a noisy moment on a shared machine falls on all and a slow drift cancels. The median window decides. Every rank
 times; the ranks gather their windows and all keep the combination the slowest rank runs fastest.
 
-Nothing of the run changes: the weights, BatchNorm statistics, AdamW's state, every RNG stream, the attention kernel
-and the thread count are saved before and put back after (as budget calibration does, ``training/run/budget.py``),
-so a run with ``auto`` ends with the same weights as the same run with the chosen settings set explicitly. Timing
-fp32 and bf16 costs ``timing_steps(2)`` steps (36; 3.5-4 s for the demo on a 2-core Zen 4, under 1 % of its
-10-minute budget), fp32 and bf16 with both kernels ``timing_steps(3)`` (54); its seconds count against a budget
-like any start-up work.
+Nothing of the run changes: these are trial steps (``training/run/trial.py``, which budget calibration uses too): the
+weights, BatchNorm statistics, AdamW's state and every RNG stream, and here also the attention kernel and the thread
+count, are saved before and put back after, so a run with ``auto`` ends with the same weights as the same run with
+the chosen settings set explicitly. Timing fp32 and bf16 costs ``timing_steps(2)`` steps (36; 3.5-4 s for the demo
+on a 2-core Zen 4, under 1 % of its 10-minute budget), fp32 and bf16 with both kernels ``timing_steps(3)`` (54); its
+seconds count against a budget like any start-up work.
 
 Not timed, with the reason said: an explicit value; a single candidate (a GPU, or a CPU without bf16 units, where
 ``training/run/precision.py``'s flag rule decides); a resumed run (it keeps its checkpoint's settings, so it
@@ -26,7 +26,6 @@ flag rule until the rest fits.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -38,13 +37,13 @@ import torch
 
 from msn_core.hardware import CpuInfo
 from training import distributed as dist
-from training.checkpoint import capture_rng_state, restore_rng_state
 from training.model.vit import Attention, use_cpu_attention
 from training.run.build import Run
 from training.run.length import config_stop_step
 from training.run.precision import precision_candidates, resolve_precision
-from training.run.speed_timing import Options, attention_options, thread_options
-from training.run.step import start_hyperparameters, train_step
+from training.run.precedence import Options, Resumed, decide
+from training.run.speed_timing import attention_options, thread_options
+from training.run.trial import loader_step, undone, wall_seconds
 
 __all__ = ["Setting", "SpeedChoice", "Timer", "choose_speed", "timing_steps", "use_setting", "wall_timer"]
 
@@ -69,11 +68,7 @@ Timer = Callable[[Setting, Callable[[], None]], float]
 
 def wall_timer(setting: Setting, step: Callable[[], None]) -> float:
     """The step's wall-clock seconds, queued device work included."""
-    dist.synchronize()
-    start = time.perf_counter()
-    step()
-    dist.synchronize()
-    return time.perf_counter() - start
+    return wall_seconds(step)
 
 
 def timing_steps(candidates: int) -> int:
@@ -176,24 +171,24 @@ def choose_speed(run: Run, *, stored: dict[str, Any] | None = None, cpu: CpuInfo
 
 def _options(run: Run, stored: dict[str, Any] | None, cpu: CpuInfo | None,
              threads: int | None) -> dict[str, Options]:
-    """Every setting that applies on this device, by config key, in the order they give way when time is short."""
+    """Every setting that applies on this device, by config key, in the order they give way when time is short;
+    each decided by the one ladder (``training/run/precedence.py``)."""
     requested, device = run.cfg.run.precision, run.device
     flag = resolve_precision(requested, device, cpu)
     candidates = precision_candidates(requested, device, cpu)
-    if requested != "auto":
-        precision = Options("run.precision", (flag,), flag, "set by you")
-    elif len(candidates) == 1:
+    machine = None  # the machine leaves one precision: nothing to time, whatever a checkpoint says
+    if len(candidates) == 1:
         why = ("the GPU supports bf16" if flag == "bf16" else "the GPU has no bf16") if device.type == "cuda" else (
             "no bf16 units on this CPU (AMX or AVX512-BF16): bf16 would be emulated, slower")
-        precision = Options("run.precision", (flag,), flag, f"{why}; not timed")
-    elif stored is not None:
+        machine = Options("run.precision", (flag,), flag, f"{why}; not timed")
+    resumed = None
+    if stored is not None:
         kept = stored.get("precision")
-        precision = (Options("run.precision", (kept,), kept, "the resumed checkpoint's precision; not timed again, "
-                             "so the run continues bit-exactly") if kept in candidates else
-                     Options("run.precision", (flag,), flag, "resumed from a checkpoint that records no usable "
-                             "precision: the CPU-flag rule; not timed"))
-    else:
-        precision = Options("run.precision", candidates, flag, f"{flag} by the CPU-flag rule (bf16 units); not timed")
+        resumed = Resumed(kept if kept in candidates else None, "the resumed checkpoint's precision; not timed "
+                          "again, so the run continues bit-exactly", flag, "resumed from a checkpoint that records no "
+                          "usable precision: the CPU-flag rule; not timed")
+    rule = Options("run.precision", candidates, flag, f"{flag} by the CPU-flag rule (bf16 units); not timed")
+    precision = decide("run.precision", requested, auto="auto", rule=rule, machine=machine, resumed=resumed)
     found = [precision, attention_options(run.cfg, device, precision.candidates, stored=stored),
              thread_options(run.cfg, device, stored=stored, default=threads)]
     return {o.key: o for o in found if o is not None}
@@ -261,12 +256,8 @@ def _time(run: Run, options: dict[str, Options], timer: Timer, *,
           budget_seconds: float | None) -> tuple[dict[str, Options], dict[Setting, float] | None, int]:
     """The options left once the warm-up's pace is known (a budget may not pay for them all), each combination's
     median window (seconds per step, the slowest rank's; None when none is left to compare), and the steps run."""
-    batches = _cycle(run.loader)
-    hyper = start_hyperparameters(run.cfg)
+    step = loader_step(run)  # training/run/trial.py
     steps = 0
-
-    def step() -> None:
-        train_step(run, hyper, next(batches)[0]).metrics()  # the loop reads metrics when it logs: the same sync
 
     def timed(setting: Setting) -> float:
         nonlocal steps
@@ -297,28 +288,16 @@ def _time(run: Run, options: dict[str, Options], timer: Timer, *,
 
 @contextmanager
 def _undone(run: Run) -> Iterator[None]:
-    """Put back everything steps and settings change: weights and buffers, AdamW's state, the RNG streams, the
-    precision, the attention kernels and torch's threads."""
+    """Trial steps (``training/run/trial.py``: weights and buffers, AdamW's state, the RNG streams put back) that
+    also put back the settings they tried: the precision, the attention kernels and torch's threads."""
     modules = (run.online, run.target)
-    saved_modules = [copy.deepcopy(module.state_dict()) for module in modules]
-    saved_optimizer = copy.deepcopy(run.optimizer.state_dict())
-    saved_rng = capture_rng_state(run.mask_generator)
     kernels = [(m, m.cpu_bf16_kernel) for module in modules for m in module.modules() if isinstance(m, Attention)]
     precision, threads = run.precision, torch.get_num_threads()
     try:
-        yield
+        with undone(modules, run.optimizer, run.mask_generator):
+            yield
     finally:
-        for module, state in zip(modules, saved_modules, strict=True):
-            module.load_state_dict(state)
-        run.optimizer.load_state_dict(saved_optimizer)
-        run.optimizer.zero_grad(set_to_none=True)
-        restore_rng_state(saved_rng, run.mask_generator)
         run.use_precision(precision)
         for attention, kernel in kernels:
             attention.cpu_bf16_kernel = kernel
         torch.set_num_threads(threads)
-
-
-def _cycle(loader):
-    while True:
-        yield from loader

@@ -1,7 +1,8 @@
 """The speed settings besides the precision that ``auto`` may time: CPU attention in bf16 and torch's CPU threads.
 
-Each setting is a :class:`Options`: its candidates (one when nothing is worth timing, with the reason) and the value
-the flag rule gives when the run is not timed. ``training/run/precision_timing.py`` times every combination of the
+Each setting is an :class:`Options` decided by the one precedence ladder (``training/run/precedence.py``: set by you,
+resumed, the rule): its candidates (one when nothing is worth timing, with the reason) and the value the flag rule
+gives when the run is not timed. ``training/run/precision_timing.py`` times every combination of the
 candidates on the run's own steps, in the same pass as the precision, and keeps the fastest.
 
 * ``run.cpu_attention`` (``training/model/vit.py``): bf16 attention on a CPU as an explicit softmax with fp32 logits
@@ -17,58 +18,39 @@ candidates on the run's own steps, in the same pass as the precision, and keeps 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from training.config import Config
+from training.run.precedence import Options, Resumed, decide
 
 __all__ = ["Options", "attention_options", "thread_options", "torch_default_threads"]
 
 FLAG_ATTENTION = "explicit"  # what ``auto`` is when not timed: measured faster on a Zen 4 (vit.explicit_attention)
 
 
-@dataclass(frozen=True)
-class Options:
-    """One setting (config ``key``): the ``candidates`` to time, the ``flag`` value kept when the run is not timed,
-    and ``reason``: why there is one candidate, or how the flag value was found (said when the timing is skipped)."""
-
-    key: str
-    candidates: tuple[Any, ...]
-    flag: Any
-    reason: str
-
-    @property
-    def timed(self) -> bool:
-        return len(self.candidates) > 1
-
-    def fixed(self, why: str) -> Options:
-        """These options with only the flag value left, ``why`` said after the flag rule's reason."""
-        return Options(self.key, (self.flag,), self.flag, f"{self.reason}: {why}")
-
-
 def attention_options(cfg: Config, device: torch.device, precisions: tuple[str, ...], *,
                       stored: dict[str, Any] | None = None) -> Options | None:
-    """``run.cpu_attention``'s candidates; None on a GPU (SDPA, the setting does not apply). ``precisions``: the
-    precision's candidates; ``stored``: a resumed checkpoint's ``run`` config section (None: not resumed)."""
-    key, requested = "run.cpu_attention", cfg.run.cpu_attention
+    """``run.cpu_attention``'s candidates (``training/run/precedence.py``'s ladder); None on a GPU (SDPA, the setting
+    does not apply). ``precisions``: the precision's candidates; ``stored``: a resumed checkpoint's ``run`` config
+    section (None: not resumed)."""
+    key = "run.cpu_attention"
     if device.type != "cpu":
         return None
-    if requested != "auto":
-        return Options(key, (requested,), requested, "set by you")
+    resumed = None
     if stored is not None:
         kept = stored.get("cpu_attention")
-        if kept in ("explicit", "sdpa"):
-            return Options(key, (kept,), kept, "the resumed checkpoint's; not timed again, so the run continues "
-                           "bit-exactly")
-        return Options(key, (FLAG_ATTENTION,), FLAG_ATTENTION, "resumed from a checkpoint that records none: the "
-                       "flag rule; not timed")
+        resumed = Resumed(kept if kept in ("explicit", "sdpa") else None, "the resumed checkpoint's; not timed "
+                          "again, so the run continues bit-exactly", FLAG_ATTENTION, "resumed from a checkpoint that "
+                          "records none: the flag rule; not timed")
     if "bf16" not in precisions:
-        return Options(key, (FLAG_ATTENTION,), FLAG_ATTENTION, "not timed: fp32 attention is SDPA, this setting is "
+        rule = Options(key, (FLAG_ATTENTION,), FLAG_ATTENTION, "not timed: fp32 attention is SDPA, this setting is "
                        "for bf16 only")
-    return Options(key, ("explicit", "sdpa"), FLAG_ATTENTION, "explicit (fp32 logits) by the flag rule, measured "
-                   "faster on a Zen 4; not timed")
+    else:
+        rule = Options(key, ("explicit", "sdpa"), FLAG_ATTENTION, "explicit (fp32 logits) by the flag rule, "
+                       "measured faster on a Zen 4; not timed")
+    return decide(key, cfg.run.cpu_attention, auto="auto", rule=rule, resumed=resumed)
 
 
 def torch_default_threads() -> int:
@@ -78,20 +60,19 @@ def torch_default_threads() -> int:
 
 def thread_options(cfg: Config, device: torch.device, *, stored: dict[str, Any] | None = None,
                    default: int | None = None) -> Options | None:
-    """``run.cpu_threads``'s candidates; None on a GPU (the step runs there). ``default``: the threads torch gave
-    this process (read now when None); ``stored`` as for :func:`attention_options`."""
-    key, requested = "run.cpu_threads", cfg.run.cpu_threads
+    """``run.cpu_threads``'s candidates (the same ladder); None on a GPU (the step runs there). ``default``: the
+    threads torch gave this process (read now when None); ``stored`` as for :func:`attention_options`."""
+    key = "run.cpu_threads"
     if device.type != "cpu":
         return None
     default = default or torch_default_threads()
-    if requested > 0:
-        return Options(key, (requested,), requested, "set by you")
-    if stored is not None:
-        kept = stored.get("cpu_threads") or default
-        return Options(key, (kept,), kept, "the resumed checkpoint's; not timed again")
+    kept = "the resumed checkpoint's; not timed again"
+    resumed = None if stored is None else Resumed(stored.get("cpu_threads") or None, kept, default, kept)
     why = f"torch's default for this process ({default})"
     if cfg.data.num_workers == 0:
-        return Options(key, (default,), default, f"{why}; not timed: no data loader workers share the cores")
-    if default == 1:
-        return Options(key, (1,), 1, f"{why}; not timed: one thread")
-    return Options(key, (default, default - 1), default, f"{why}; not timed")
+        rule = Options(key, (default,), default, f"{why}; not timed: no data loader workers share the cores")
+    elif default == 1:
+        rule = Options(key, (1,), 1, f"{why}; not timed: one thread")
+    else:
+        rule = Options(key, (default, default - 1), default, f"{why}; not timed")
+    return decide(key, cfg.run.cpu_threads, auto=0, rule=rule, resumed=resumed)

@@ -30,13 +30,13 @@ Both are medians over a trailing window of logged records, compared from ``CHECK
 (at least ``MIN_CHECK_STEPS``), and must hold on ``PATIENCE`` records spanning ``MIN_SPAN_STEPS``.
 
 Either way a stall is reported once, within the first 10 % of any run of 1,100 planned steps or more, naming a
-likely cause and the ``--set`` that fixes it (``Stall.sets``; ``--on-stall adapt`` applies it,
-``training/run/adapt.py``): the learning rate when it is far below the batch's rule (``training/run/plan.py``: a
-config can say nothing truer about a learning rate without labels), else views that keep too little of a small
-image holding little detail (official crops, masking or photometric jitter: what stalled the digit folders,
-docs/results-notes.md; on the rendered glyphs, with more detail, easier views did worse), else the targets'
-temperature. The checks read floats the monitor has already logged: no device sync of their own. A resumed run is
-not checked (its start, which the signals are read against, was in an earlier launch).
+likely cause and the ``--set`` that fixes it (``Stall.sets``, keys declared in ``training/run/advice.py``;
+``--on-stall adapt`` applies it, ``training/run/adapt.py``): the learning rate when it is far below the batch's
+rule (``training/run/plan.py``: a config can say nothing truer about a learning rate without labels), else views
+that keep too little of a small image holding little detail (official crops, masking or photometric jitter: what
+stalled the digit folders, docs/results-notes.md; on the rendered glyphs, with more detail, easier views did
+worse), else the targets' temperature. The checks read floats the monitor has already logged: no device sync of
+their own. A resumed run is not checked (its start, which the signals are read against, was in an earlier launch).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.config import Config
+from training.run.advice import advised
 from training.run.plan import LOW_DETAIL, LOW_DETAIL_CROP, LOW_DETAIL_MASK, PAPER_START_LR, lr_for_batch
 
 __all__ = ["Adaptation", "Stall", "StallDetector"]
@@ -228,7 +229,8 @@ class StallDetector:
         return self.settings.lr < self.rule_lr() / LOW_LR
 
     def advice(self, cause: str, s: dict[str, float]) -> tuple[str, dict[str, Any]]:
-        """Why ``cause`` is likely, and the config keys that fix it (what the message's ``--set`` says)."""
+        """Why ``cause`` is likely, and the config keys that fix it (what the message's ``--set`` says), each one
+        declared in ``training/run/advice.py``'s table of what taking it rebuilds."""
         g = self.settings
         if cause == "learning_rate":
             rule = self.rule_lr()
@@ -237,25 +239,25 @@ class StallDetector:
                    f"1e-3 x sqrt({g.global_batch} / 1024) = {rule:g} for this global batch"
                    + (f"; the predictions have hardly moved (entropy {s['start_entropy']:.3f} -> "
                       f"{s['entropy']:.3f} nats)" if still else ""))
-            return why, {"optim.lr": rule, "optim.start_lr": min(PAPER_START_LR, rule)}
+            return why, advised({"optim.lr": rule, "optim.start_lr": min(PAPER_START_LR, rule)})
         if cause == "views" and g.low_detail:
             why = (f"two views of an image share too little for one to predict the other's prototypes (crops from "
                    f"{g.crop_min:.0%} of the area, {g.mask_ratio:.0%} of the patches masked"
                    + (", photometric jitter" if g.photometric else "") + "); on small images with little detail "
                    "such runs stalled, and views keeping more of the image learned")
-            return why, {"mask.rand_crop_scale": [EASY_CROP_MIN, 1.0], "mask.ratio": EASY_MASK,
-                         "augment.color_jitter_p": 0.0, "augment.grayscale_p": 0.0, "augment.blur_p": 0.0}
+            return why, advised({"mask.rand_crop_scale": [EASY_CROP_MIN, 1.0], "mask.ratio": EASY_MASK,
+                                 "augment.color_jitter_p": 0.0, "augment.grayscale_p": 0.0, "augment.blur_p": 0.0})
         if cause == "views":
             why = (f"views that crop from {g.crop_min:.0%} of the area and mask {g.mask_ratio:.0%} of the patches"
                    + ("" if g.shape_jitter else " and do not vary pose or stroke") + "; on small rendered glyphs "
                    "(digits in 12 fonts) views that keep more of the image and rotate, shear, thicken and thin it "
                    "gave the best features, though their loss stays near log K too")
-            return why, {"mask.rand_crop_scale": [EASY_CROP_MIN, 1.0], "mask.ratio": EASY_MASK,
-                         "augment.affine_p": 0.8, "augment.stroke_p": 0.8}
+            return why, advised({"mask.rand_crop_scale": [EASY_CROP_MIN, 1.0], "mask.ratio": EASY_MASK,
+                                 "augment.affine_p": 0.8, "augment.stroke_p": 0.8})
         sharper = float(f"{0.6 * min(g.sharpen_start, g.sharpen_end):.2g}")
         why = (f"the targets do not sharpen at temperature {g.sharpen_end:g} over {g.num_prototypes} "
                "prototypes, so there is little to match")
-        return why, {"loss.sharpen_start": sharper, "loss.sharpen_end": sharper}
+        return why, advised({"loss.sharpen_start": sharper, "loss.sharpen_end": sharper})
 
     def what(self, s: dict[str, float]) -> str:
         """What was seen: the view probe's margin against its start when there is one, and the loss."""
