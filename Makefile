@@ -19,32 +19,30 @@ DEMO_DECODER_MINUTES ?= 10
 DEMO_PORT ?= 8000
 DEMO_APP_PORT ?= 7860
 
-.PHONY: setup data demo test lint clean
+.PHONY: setup data debian demo test lint clean
 
-setup: $(STAMP) $(CHROMIUM) $(KUBECTL)
+setup: $(STAMP) debian
 
 $(STAMP): pyproject.toml constraints.txt
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[train,serve,viz,dev,milvus]'
+	$(PIP) install -c constraints.txt torch==2.13.0 -e '.[train,serve,viz,dev,milvus]'
 	@touch $@
 
-data: $(FMNIST)
+data: debian
 
-$(FMNIST):
-	$(SUDO) apt-get update -qq
-	$(SUDO) apt-get install -y -qq dataset-fashion-mnist
-
-# Debian's chromium for the visualizer's browser tests (playwright drives it; `playwright install` cannot download).
-$(CHROMIUM):
-	$(SUDO) apt-get update -qq
-	$(SUDO) apt-get install -y -qq chromium
-
-# Debian's kubectl (1.20, built-in kustomize): tests/deploy renders deploy/k8s with `kubectl kustomize`, offline.
-$(KUBECTL):
-	$(SUDO) apt-get update -qq
-	$(SUDO) apt-get install -y -qq kubernetes-client
+# The Debian packages both commands need, installed with one `apt-get update` for whatever is missing: the
+# Fashion-MNIST files; chromium for the visualizer's browser tests (playwright drives it; `playwright install` cannot
+# download); kubectl 1.20 with its built-in kustomize, which tests/deploy uses to render deploy/k8s offline.
+debian:
+	@missing=""; \
+	[ -e $(FMNIST) ] || missing="$$missing dataset-fashion-mnist"; \
+	[ -x $(CHROMIUM) ] || missing="$$missing chromium"; \
+	[ -x $(KUBECTL) ] || missing="$$missing kubernetes-client"; \
+	if [ -n "$$missing" ]; then \
+		echo "apt-get install$$missing"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; \
+	fi
 
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
 # accuracy beside the same network untrained (msn-eval --untrained) and the raw-pixel baseline, start the service,

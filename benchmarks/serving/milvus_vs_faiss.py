@@ -91,7 +91,8 @@ def open_index(engine: str, kind: str, dim: int, nlist: int, workdir: Path,
         idx = ManagedIndex.create(workdir / "index", cfg)
         idx.compact_bytes = int(compact_mb * 2**20)
         return idx, None
-    from msn_serve.indexes.milvus import MilvusConnection, MilvusIndex
+    from msn_serve.indexes.milvus import MilvusIndex
+    from msn_serve.indexes.milvus_conn import MilvusConnection
 
     conn = MilvusConnection(str(workdir / "milvus.db"))
     return MilvusIndex.create(conn, "bench", cfg), conn

@@ -18,7 +18,7 @@ from msn_core.corpus import load_corpus
 from msn_core.durable import lock_data_dir
 from msn_serve.index_tools.milvus_copy import CopyError, copy_checked, milvus_steps, point
 from msn_serve.indexes.config import IndexConfig
-from msn_serve.indexes.milvus import MilvusConnection
+from msn_serve.indexes.milvus_conn import MilvusConnection
 
 
 def shards_to_milvus(embeddings: Path, data_dir: Path, name: str, uri: str, *, index_type: str, store_paths: bool,

@@ -173,7 +173,7 @@ def _to_milvus(path: Path, data_dir: Path, uri: str) -> int:
 
 def _milvus_reembed(args: argparse.Namespace, uri: str) -> int:
     from msn_serve.index_tools.milvus_copy import CopyError, reembed_milvus
-    from msn_serve.indexes.milvus import MilvusConnection
+    from msn_serve.indexes.milvus_conn import MilvusConnection
 
     if args.bundle is None:
         raise MigrateError("give --bundle: the model to migrate the Milvus index to")

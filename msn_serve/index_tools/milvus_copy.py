@@ -2,7 +2,7 @@
 migrate`` of a Milvus index to another model, and ``msn-embed --index NAME --index-backend milvus``
 (:mod:`msn_serve.corpus.to_milvus`).
 
-Every copy goes into a new collection (:func:`~msn_serve.indexes.milvus.physical_name`) marked ``msn.state =
+Every copy goes into a new collection (:func:`~msn_serve.indexes.milvus_conn.physical_name`) marked ``msn.state =
 migrating``, is flushed, read back and compared with what was sent (every id, its vector to float32 rounding, its
 metadata); only then does the index's name move to it (:func:`point`: an alias, one Milvus call), so the name
 resolves to the old collection or the new one, whole, at every moment. The old one is kept (``msnbak_<name>_<time>``,
@@ -11,7 +11,7 @@ a re-embedding) or dropped (``--overwrite-index``) after the name has moved.
 A collection made under the name itself (``POST /index``, or before aliases) must be renamed away before an alias
 can take the name: the new collection first records the rename (``msn.swap``), and whoever next lists the indexes
 (msn-serve at start-up, any of these commands) points the name at it if a ``kill -9`` fell between the two calls
-(:meth:`~msn_serve.indexes.milvus.MilvusConnection.finish_swaps`). A copy killed before its swap is left beside an
+(:meth:`~msn_serve.indexes.milvus_conn.MilvusConnection.finish_swaps`). A copy killed before its swap is left beside an
 intact index, never under its name; the next command drops it (``drop_orphans``) and starts again.
 
 ``--to milvus`` has two stores to change: the copy stays ``migrating`` while it is aliased and until the FAISS
@@ -37,11 +37,11 @@ from msn_core.durable import fsync_path
 from msn_serve.errors import ApiError
 from msn_serve.indexes.config import IndexConfig
 from msn_serve.indexes.metadata import Texts
-from msn_serve.indexes.milvus import (
+from msn_serve.indexes.milvus import MilvusIndex
+from msn_serve.indexes.milvus_conn import (
     BACKUP_PREFIX,
     PREFIX,
     MilvusConnection,
-    MilvusIndex,
     collection_name,
     milvus_errors,
     physical_name,

@@ -35,20 +35,11 @@ from msn_serve.indexes.base import check_add, check_ids, hit_lists, prepare_vect
 from msn_serve.indexes.config import IndexConfig
 from msn_serve.indexes.metadata import Metadata
 from msn_serve.indexes.milvus_conn import (
-    BACKUP_PREFIX,
-    PREFIX,
     MilvusConnection,
-    MilvusUnavailable,
     collection_name,
     milvus_errors,
-    physical_name,
 )
-from msn_serve.indexes.milvus_tuning import TOPK_MAX, check_spec, index_params, search_params
-
-# The connection's names are also importable from here, where the offline tools (msn_serve.index_tools,
-# msn_serve.corpus) and the benchmarks have always found them.
-__all__ = ["BACKUP_PREFIX", "META_MAX", "PREFIX", "MilvusConnection", "MilvusIndex", "MilvusUnavailable", "NotReady",
-           "check_spec", "collection_name", "milvus_errors", "physical_name"]
+from msn_serve.indexes.milvus_tuning import TOPK_MAX, index_params, search_params
 
 log = logging.getLogger("msn_serve.indexes")
 META_MAX = 65_535  # bytes of a VARCHAR field
