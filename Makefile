@@ -44,6 +44,13 @@ debian:
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
+# msn-eval COMMAND on the demo bundle, its figures also written to runs/demo/eval/COMMAND-NAME.json (what
+# benchmarks/results/demo_controls/ keeps and docs/results.md renders).
+DEMO_EVAL = $(VENV)/bin/msn-eval $(1) --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress \
+	--json $(DEMO_RUN)/eval/$(1)-$(2).json
+SHOTS := --shots 1 2 5 --splits 3
+PAPER_CLS := --backend torch --feature cls_pre_norm
+
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, measure low-shot and kNN
 # accuracy beside the same network untrained (msn-eval --untrained) and the raw-pixel baseline, start the service,
 # then train a small RCDM decoder on the bundle for at most
@@ -54,27 +61,21 @@ demo: setup data
 		--config configs/fmnist_vit_tiny.yaml --output-dir $(DEMO_RUN) --resume
 	$(VENV)/bin/msn-export --checkpoint $(DEMO_RUN)/checkpoint.pt --out $(DEMO_BUNDLE)
 	@echo "== MSN, the feature the service serves (msn.json's feature: the target encoder's CLS + patch-token map):"
-	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress
-	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress
+	$(call DEMO_EVAL,lowshot,served-trained) $(SHOTS)
+	$(call DEMO_EVAL,knn,served-trained)
 	@echo "== The same network untrained (random init, seed 0; same architecture, preprocessing and served feature):"
 	@echo "   what MSN's training added is the difference from the rows above"
-	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --data fashion-mnist --shots 1 2 5 --splits 3 --no-progress \
-		--untrained 0
-	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --data fashion-mnist --no-progress --untrained 0
+	$(call DEMO_EVAL,lowshot,served-untrained) $(SHOTS) --untrained 0
+	$(call DEMO_EVAL,knn,served-untrained) --untrained 0
 	@echo "== MSN, the paper's protocol (last block's CLS before the final norm):"
-	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
-		--shots 1 2 5 --splits 3 --no-progress
-	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
-		--no-progress
+	$(call DEMO_EVAL,lowshot,cls-trained) $(SHOTS) $(PAPER_CLS)
+	$(call DEMO_EVAL,knn,cls-trained) $(PAPER_CLS)
 	@echo "== The same network untrained, the paper's CLS (random init, seed 0): the difference is MSN's training"
-	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
-		--shots 1 2 5 --splits 3 --no-progress --untrained 0
-	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend torch --feature cls_pre_norm --data fashion-mnist \
-		--no-progress --untrained 0
+	$(call DEMO_EVAL,lowshot,cls-untrained) $(SHOTS) $(PAPER_CLS) --untrained 0
+	$(call DEMO_EVAL,knn,cls-untrained) $(PAPER_CLS) --untrained 0
 	@echo "== The baseline to beat, raw pixels (same protocol):"
-	$(VENV)/bin/msn-eval lowshot --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --shots 1 2 5 \
-		--splits 3 --no-progress
-	$(VENV)/bin/msn-eval knn --bundle $(DEMO_BUNDLE) --backend pixels --data fashion-mnist --no-progress
+	$(call DEMO_EVAL,lowshot,pixels) $(SHOTS) --backend pixels
+	$(call DEMO_EVAL,knn,pixels) --backend pixels
 	$(PY) -m training.examples --out $(DEMO_RUN)/example.png --folder $(DEMO_RUN)/unlabelled --count 500
 	@# The service first (a working app as soon as the encoder is evaluated), then the decoder training in the
 	@# background (capped at DEMO_DECODER_MINUTES; a second `make demo` trains it further) and at once the visualizer in

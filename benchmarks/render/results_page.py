@@ -17,7 +17,7 @@ from benchmarks.protocol import (
     ratio_run,
     tsne_name,
 )
-from benchmarks.render import decoder, own_images, stall
+from benchmarks.render import controls, decoder, own_images, stall
 from benchmarks.render.budget import render_budget
 from benchmarks.render.evals import accuracy_cell, lowshot_rows, mean_accuracy
 from benchmarks.render.features import render_feature_choice
@@ -168,7 +168,10 @@ def render(docs: Path) -> str:
               "`docs/results-notes.md`). Paper numbers are ViT on ImageNet-1k and are shown for the direction of "
               "each effect, not for the values."), ""]
     results = docs.parent / "benchmarks" / "results"
-    # The shipped recipe's tables come first: they are what a researcher reads first.
+    # What the demo's pretraining adds, then the shipped recipe's tables: what a researcher reads first.
+    demo = controls.section(results)
+    if demo:
+        parts.append(demo)
     parts += [render_profile(p) for p in profiles if p.get("budgeted")]
     for own in (own_images.section(results), own_images.other_folders_section(results),
                 own_images.glyph_folders_section(results), own_images.warm_start_section(results),
