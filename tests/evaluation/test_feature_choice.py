@@ -1,4 +1,4 @@
-"""The served feature is chosen for what training added, not only for its score (benchmarks/evaluation/feature_choice)."""
+"""The served feature is chosen for what training added, not only for its score (feature_choice.choose)."""
 from __future__ import annotations
 
 from benchmarks.evaluation.feature_choice import MARGIN, choose

@@ -13,7 +13,7 @@ import pytest
 from msn_core.bundle import load_bundle_info
 from training.bundle.untrained import SOURCE_KIND
 from training.evaluation.cli import build_parser, main, make_context
-from training.evaluation.untrained import untrained_twin
+from training.evaluation.untrained import twin_key, untrained_twin
 
 
 @pytest.fixture(scope="module")
@@ -50,28 +50,28 @@ def _context(bundle, cache, *extra):
 
 
 def test_untrained_features_differ_repeat_and_never_share_the_cache(tiny_bundle, cache):
+    """Two twin exports (each a torch process and an ONNX export): seed 1 through the cache, seed 0 with
+    ``--no-cache``, which exports afresh in a temporary directory and leaves the cache without it."""
+    info = load_bundle_info(tiny_bundle)
     trained = _context(tiny_bundle, cache)
     first = trained.test_features()
     assert trained.test_features().from_cache
-    same_init = _context(tiny_bundle, cache, "--untrained", "0")  # the fixture's own init: equal weights ...
     other = _context(tiny_bundle, cache, "--untrained", "1")
-    assert len({trained.cache_tag, same_init.cache_tag, other.cache_tag}) == 3  # ... but never its cache entry
-    zero = same_init.test_features()
-    assert not zero.from_cache
-    np.testing.assert_allclose(zero.features, first.features, atol=1e-5)
-    one = other.test_features()
+    one = other.test_features()  # other weights: the trained bundle's cache entry would show here
     assert not np.allclose(one.features, first.features, atol=1e-3)
-    again = _context(tiny_bundle, cache, "--untrained", "1", "--no-cache")  # exported afresh in a temp dir
-    assert again.untrained_bundle is None
-    np.testing.assert_array_equal(again.test_features().features, one.features)
+    same_init = _context(tiny_bundle, cache, "--untrained", "0", "--no-cache")  # the fixture's own init
+    assert same_init.untrained_bundle is None and not (cache / "untrained" / twin_key(info, 0)).exists()
+    np.testing.assert_allclose(same_init.test_features().features, first.features, atol=1e-5)  # equal weights ...
+    assert len({trained.cache_tag, same_init.cache_tag, other.cache_tag}) == 3  # ... but never its cache entry
 
 
 def test_the_twin_is_the_bundle_with_random_weights(tiny_bundle, cache):
+    ref = load_bundle_info(tiny_bundle)
     twin = untrained_twin(tiny_bundle, 1, cache)
     assert untrained_twin(tiny_bundle, 1, cache) == twin  # reused
-    assert twin != untrained_twin(tiny_bundle, 0, cache)
+    assert twin == cache / "untrained" / twin_key(ref, 1) and twin_key(ref, 0) != twin_key(ref, 1)
     assert not [p for p in twin.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
-    ref, info = load_bundle_info(tiny_bundle), load_bundle_info(twin)
+    info = load_bundle_info(twin)
     assert (info.architecture, info.preprocessing, info.feature) == (ref.architecture, ref.preprocessing, ref.feature)
     assert info.extra["source"]["kind"] == SOURCE_KIND and info.model_id != ref.model_id
 

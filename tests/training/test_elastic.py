@@ -1,6 +1,8 @@
-"""torchrun --max-restarts: a rank killed mid-run, or killed inside a checkpoint write, and the run still ends
-bit-identical to an uninterrupted one (2 processes, gloo). The kills come from the trainer's test hook
-(``MSN_TEST_KILL_AT``, training/checkpoint.py ``fault_point``), so each run fails at the same place every time."""
+"""torchrun (2 processes, gloo): the uninterrupted run's per-rank state, and under --max-restarts a rank killed mid-run
+(the writer inside a checkpoint write, or another rank before the launch's first checkpoint) and the run still ends
+bit-identical to an uninterrupted one. The kills come from the trainer's test hook (``MSN_TEST_KILL_AT``,
+training/checkpoint.py ``fault_point``), so each run fails at the same place every time. Each torchrun launch costs
+three interpreters (and three more per restart): the uninterrupted launch is shared by every test here."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.checkpoint import KILL_AT, fault_point, launch_id, load_checkpoint
 
@@ -48,29 +51,38 @@ def _reference(output_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_run_restarts_and_ends_bit_identical(tmp_path, uninterrupted):
-    output = _torchrun(tmp_path, kill_at="step:5:1")  # rank 1 dies after step 5; the last checkpoint is step 3
+def test_two_process_gloo_run_seeds_ranks_apart_shares_masks_and_only_rank_0_logs(uninterrupted):
+    """The uninterrupted launch itself (no test pays a separate one for this): both ranks' RNG state is stored, the
+    ranks augment differently (different seeds) but share masks (same mask generator seed), and only rank 0 logs."""
+    state = _reference(uninterrupted)
+    assert state["world_size"] == 2 and state["step"] == 10 and len(state["rng"]) == 2
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+    assert torch.equal(state["rng"][0]["mask"], state["rng"][1]["mask"])
+    # 64 images / (4 per rank * 2 ranks) = 8 steps per epoch; logged every step by rank 0 alone: 10 lines, not 20
+    assert state["steps_per_epoch"] == 8
+    assert len((uninterrupted / "metrics.jsonl").read_text().splitlines()) == 10
+
+
+@pytest.mark.slow
+def test_writer_killed_inside_a_checkpoint_write_restarts_from_the_previous_one_bit_identical(tmp_path, uninterrupted):
+    """rank 0 (the writer) dies while step 6's checkpoint is half written: checkpoint.pt must still be step 3's,
+    complete; the restart removes the interrupted write's temporary file, resumes this launch's step 3 (as this
+    launch, whose id it keeps writing) and ends bit-identical. A rank killed outside a write takes the same restart
+    path (its kill, of rank 1, is the earlier-launch test's), so no separate launch pays for that case."""
+    output = _torchrun(tmp_path, kill_at="checkpoint-write:6:0")
+    assert "left by an interrupted checkpoint write" in output, output[-4000:]
     assert "at step 3 (epoch 0, batch 3) after torchrun restart 1" in output, output[-4000:]
+    assert not list(tmp_path.glob(".checkpoint*.tmp"))
     final = load_checkpoint(tmp_path / "checkpoint.pt")
     _assert_same_state(_reference(uninterrupted), final)
     assert final["launch"] == launch_id(tmp_path, restarted=True)  # the restart kept writing as this launch
 
 
 @pytest.mark.slow
-def test_kill_inside_a_checkpoint_write_keeps_the_previous_one(tmp_path, uninterrupted):
-    # rank 0 (the writer) dies while step 6's checkpoint is half written: checkpoint.pt must still be step 3's,
-    # complete, and the restart resumes from it (and removes the interrupted write's temporary file)
-    output = _torchrun(tmp_path, kill_at="checkpoint-write:6:0")
-    assert "left by an interrupted checkpoint write" in output, output[-4000:]
-    assert "at step 3 (epoch 0, batch 3) after torchrun restart 1" in output, output[-4000:]
-    assert not list(tmp_path.glob(".checkpoint*.tmp"))
-    _assert_same_state(_reference(uninterrupted), load_checkpoint(tmp_path / "checkpoint.pt"))
-
-
-@pytest.mark.slow
-def test_restart_never_resumes_a_checkpoint_from_an_earlier_launch(tmp_path, uninterrupted):
-    # the directory holds a finished run (an earlier launch); a fresh launch into it (no --resume) dies at step 2,
-    # before its own first checkpoint: the restart starts over instead of continuing the earlier launch's step 10
+def test_rank_killed_before_the_first_checkpoint_never_resumes_one_from_an_earlier_launch(tmp_path, uninterrupted):
+    # the directory holds a finished run (an earlier launch); a fresh launch into it (no --resume) loses rank 1 at
+    # step 2, before its own first checkpoint: the restart starts over instead of continuing the earlier launch's
+    # step 10, and ends bit-identical to the uninterrupted run
     for name in ("checkpoint.pt", "launch.json", "config.yaml"):
         shutil.copy(uninterrupted / name, tmp_path / name)
     output = _torchrun(tmp_path, kill_at="step:2:1")
