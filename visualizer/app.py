@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from msn_core.masks import keep_from_bitmap
 from msn_core.optional import require
 from visualizer.features import FrozenEncoder
 from visualizer.figure import figure_row, paper_figure
+from visualizer.runs import decoder_runs, paper_view
 from visualizer.label_tab import build_label_tab
 from visualizer.live import DecoderNotReady, LiveDecoder
 from visualizer.masks import MODES, keep_bitmap, mask_spec
@@ -180,11 +180,6 @@ def _ready(decoder: RCDMPipeline | LiveDecoder) -> RCDMPipeline | None:
 
 def _summary(decoder: RCDMPipeline | LiveDecoder) -> str:
     return decoder.summary() if isinstance(decoder, LiveDecoder) else decoder_summary(decoder)
-
-
-def paper_view(decoder: RCDMPipeline | LiveDecoder) -> bool:
-    """Whether a decoder shows what the paper's figure shows: an RCDM decoder on a vector, not on a token map."""
-    return decoder.config.model.kind == "rcdm" and decoder.encoder.layout.side == 0
 
 
 def _sampling_ui(session: Session, primary: RCDMPipeline | LiveDecoder, mask_inputs: list,
@@ -409,28 +404,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def decoder_runs(path: str | os.PathLike, wait_s: float = 0.0) -> list[Path]:
-    """The decoder runs ``--decoder PATH`` names: a checkpoint file, or a run directory (one holding
-    ``checkpoint.pt`` or ``config.yaml``), and each sub-directory of ``PATH`` that is a run: a directory holding
-    several runs (``runs/demo-rcdm28/{cls,tokenmap}``) shows them all. Where there is none yet (``make demo`` starts
-    the app while its decoder's run is being created), they are waited for up to ``wait_s``; then ``PATH`` itself
-    stands for a run still to be written."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-
-    def is_run(run: Path) -> bool:
-        return (run / "checkpoint.pt").is_file() or (run / "config.yaml").is_file()
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        subs = sorted(p for p in path.iterdir() if p.is_dir() and is_run(p)) if path.is_dir() else []
-        found = ([path] if is_run(path) else []) + subs
-        if found or time.monotonic() >= deadline:
-            return found or [path]
-        time.sleep(0.5)
 
 
 def launch(bundle: str | Path, decoder: str | Path | Sequence[str | Path] | None = None, *,

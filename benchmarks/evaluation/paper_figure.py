@@ -37,6 +37,7 @@ from PIL import Image, ImageDraw
 
 from benchmarks.common import DOCS, machine
 from msn_core.durable import atomic_write, atomic_write_json
+from visualizer.runs import decoder_runs, paper_view
 
 if TYPE_CHECKING:
     import torch
@@ -81,31 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------- decoders
 
 
-def decoder_paths(path: Path) -> list[Path]:
-    """The runs ``--decoder PATH`` names, as the app reads them (``visualizer.app.decoder_runs`` without its wait,
-    which imports Gradio): a checkpoint file, a run directory and each sub-directory that is a run; ``PATH`` itself
-    when there is none, so loading it says what is missing."""
-    if path.is_file():
-        return [path]
-
-    def is_run(run: Path) -> bool:
-        return (run / "checkpoint.pt").is_file() or (run / "config.yaml").is_file()
-
-    subs = sorted(p for p in path.iterdir() if p.is_dir() and is_run(p)) if path.is_dir() else []
-    return ([path] if is_run(path) else []) + subs or [path]
-
-
-def paper_view(pipe: RCDMPipeline) -> bool:
-    """The app's ordering rule (``visualizer.app.paper_view``): an RCDM decoder on a vector draws the paper's view."""
-    return pipe.config.model.kind == "rcdm" and pipe.encoder.layout.side == 0
-
-
 def load_decoders(bundle: Path, paths: list[Path], device: str) -> list[tuple[Path, RCDMPipeline]]:
     """Every run's pipeline on ``bundle``, the CLS decoder first (a stable sort, as the app's); a run without a
     checkpoint yet is skipped with a note, as the app's figure skips one still training."""
     from visualizer.pipeline import RCDMPipeline, resolve_checkpoint
 
-    runs = list(dict.fromkeys(run.resolve() for path in paths for run in decoder_paths(path)))
+    runs = list(dict.fromkeys(run.resolve() for path in paths for run in decoder_runs(path)))
     loaded = []
     for run in runs:
         if run.is_dir() and not (run / "checkpoint.pt").is_file() and (run / "config.yaml").is_file():
