@@ -116,17 +116,6 @@ def _pretrain(output_dir: Path, sets: list[str], *, config: Path | None = None, 
                           timeout=600, check=False)
 
 
-def _start(output_dir: Path, sets: list[str], *, config: Path | None = None,
-           data: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen(_command(output_dir, sets, config, data), env=_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 def _records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -156,33 +145,21 @@ def test_a_healthy_tiny_run_is_not_flagged(tmp_path):
 
 
 @pytest.mark.slow
-def test_8px_digits_collapse_is_flagged_early_and_fashion_mnist_is_not(tmp_path):
+def test_8px_digits_collapse_is_flagged_within_5_percent_of_the_planned_steps(tmp_path):
     """The old failure, reproduced: the 28 px recipe on 8 px digits (unlabelled folder). Flagged within 5 % of the
-    2,468 steps its 10-minute budget planned on the AVX2 machine it failed on; the demo recipe on Fashion-MNIST
-    (healthy) runs past that point unflagged. The two runs go side by side, one thread each (~40 s on 2 cores)."""
+    2,468 steps its 10-minute budget planned on the AVX2 machine it failed on (~35 s, one thread). That a healthy run
+    goes unflagged is ``test_a_healthy_tiny_run_is_not_flagged``'s; the demo recipe on Fashion-MNIST run past the
+    same bound is benchmarks/training/collapse_check.py's control (the suite's time is not spent on it twice)."""
     from benchmarks.training.collapse_check import OLD_RECIPE, write_digits
 
-    fmnist = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
     config = tmp_path / "old_recipe.yaml"
     config.write_text(yaml.safe_dump(OLD_RECIPE))
     write_digits(tmp_path / "digits")
     planned, bound = 2468, int(0.05 * 2468)
     budget = ["optim.epochs=1", f"optim.total_steps={planned}", f"run.max_steps={bound + 2}",
-              "run.stop_on_collapse=true", "run.progress_bar=false", "run.precision=fp32"]
-    runs = {"digits8": _start(tmp_path / "digits8", budget + ["model.image_size=8"], config=config,
-                              data=tmp_path / "digits")}
-    if fmnist:
-        runs["fmnist"] = _start(tmp_path / "fmnist", ["optim.budget_minutes=null", *budget, "run.probe_every_steps=0"],
-                                config=REPO / "configs" / "fmnist_vit_tiny.yaml")
-    done = {name: _finish(proc) for name, proc in runs.items()}
+              "run.stop_on_collapse=true", "run.progress_bar=false", "run.precision=fp32", "model.image_size=8"]
+    done = _pretrain(tmp_path / "digits8", budget, config=config, data=tmp_path / "digits")
 
-    records = _records(tmp_path / "digits8")
-    flagged = [r for r in records if "collapse" in r]
-    assert done["digits8"].returncode == 1 and flagged and flagged[0]["collapse"] == "uniform_targets", \
-        done["digits8"].stderr[-2000:]
+    flagged = [r for r in _records(tmp_path / "digits8") if "collapse" in r]
+    assert done.returncode == 1 and flagged and flagged[0]["collapse"] == "uniform_targets", done.stderr[-2000:]
     assert flagged[0]["step"] <= bound and "model.image_size=32" in flagged[0]["collapse_message"]
-    if not fmnist:
-        pytest.skip("Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
-    assert done["fmnist"].returncode == 0, done["fmnist"].stderr[-2000:]
-    records = _records(tmp_path / "fmnist")
-    assert records[-1]["step"] == bound + 2 and not any("collapse" in r for r in records)
