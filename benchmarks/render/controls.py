@@ -26,14 +26,31 @@ def _machine(folder: Path) -> str:
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), [])
     keep = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")]
-    return f"{model or 'unknown CPU'} (flags {' '.join(keep) or 'not recorded'})"
+    run = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Demo run")), "")
+    return f"{model or 'unknown CPU'} (flags {' '.join(keep) or 'not recorded'})" + (f"; {run}" if run else "")
 
 
 def section(results: Path) -> str | None:
-    """The section of ``docs/results.md``, or None when the demo's controls were not measured."""
-    folder = results / "demo_controls"
-    if not (folder / "lowshot-served-trained.json").exists():
+    """The section of ``docs/results.md``, or None when the demo's controls were not measured. One table per
+    measured machine: ``demo_controls/`` and any ``demo_controls-NAME/`` beside it."""
+    folders = [f for f in sorted(results.glob("demo_controls*")) if (f / "lowshot-served-trained.json").exists()]
+    if not folders:
         return None
+    served = json.loads((folders[0] / "lowshot-served-trained.json").read_text())
+    parts = [
+        "## What `make demo`'s 10 minutes add: the trained encoder beside the same network untrained", "",
+        ("`make demo` as a user runs it, the machine to itself, 2 cores. Low-shot top-1 (%) on "
+         "the 10,000 test images, mean ± std over the 3 shipped splits (the paper's protocol); weighted kNN-20 "
+         f"against the 60k training images. The served feature is `{served['feature']}`; the untrained rows "
+         "(`msn-eval lowshot --bundle bundles/demo --untrained 0`) are the bundle's architecture, preprocessing and "
+         "feature with random weights: "
+         "what training added is the difference."), ""]
+    for folder in folders:
+        parts += [f"{_machine(folder)}:", "", _table(folder), ""]
+    return "\n".join(parts)
+
+
+def _table(folder: Path) -> str:
     rows = []
     for feature, weights, label in ROWS:
         stem = f"{feature}-{weights}" if weights else feature
@@ -43,13 +60,4 @@ def section(results: Path) -> str | None:
         run = json.loads(lowshot.read_text())
         knn_top1 = json.loads(knn.read_text())["results"][0]["top1"] if knn.exists() else None
         rows.append([label, *(_cell(run, s) for s in SHOTS), f"{knn_top1:.1f}" if knn_top1 is not None else "n/a"])
-    served = json.loads((folder / "lowshot-served-trained.json").read_text())
-    return "\n".join([
-        "## What `make demo`'s 10 minutes add: the trained encoder beside the same network untrained", "",
-        (f"`make demo` as a user runs it, the machine to itself: {_machine(folder)}, 2 cores. Low-shot top-1 (%) on "
-         "the 10,000 test images, mean ± std over the 3 shipped splits (the paper's protocol); weighted kNN-20 "
-         f"against the 60k training images. The served feature is `{served['feature']}`; the untrained rows "
-         "(`msn-eval lowshot --bundle bundles/demo --untrained 0`) are the bundle's architecture, preprocessing and "
-         "feature with random weights: "
-         "what training added is the difference."), "",
-        table(["feature", "1 / class", "2 / class", "5 / class", "kNN-20"], rows), ""])
+    return table(["feature", "1 / class", "2 / class", "5 / class", "kNN-20"], rows)
