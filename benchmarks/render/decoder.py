@@ -7,7 +7,7 @@ from pathlib import Path
 from benchmarks.common import describe_machine
 from benchmarks.render.text import table
 
-ORDER = ("today", "new")  # the tags of the comparison, in this order; other tags follow, sorted
+ORDER = ("cls", "tokenmap-32px-old", "tokenmap-28px")  # the CLS decoder first, then the token-map ones; others sorted
 
 
 def _runs(results: Path) -> list[dict]:
@@ -35,7 +35,10 @@ def section(results: Path) -> str:
               "brackets as a fraction of the judge's accuracy on the originals); high-frequency energy against the "
               "conditioning image's (1 = as sharp); KID against 2,000 other test images in the encoder's space; the "
               "spread of 4 samples of one image. *Class in the feature*: the classifier on the (masked) conditioning "
-              "features themselves, the most of the class a decoder can keep.")]
+              "features themselves, the most of the class a decoder can keep. Tags `tokenmap-*`: decoders "
+              "conditioned on the whole token map (CLS and the 4 x 4 patch tokens, the inpainting view), ranked in "
+              "the token-map space they were handed, where a copy of the image ranks 1 by construction; `cls`: the "
+              "default decoder, conditioned on the CLS vector alone, ranked in the CLS space and in raw pixels.")]
     new = any("pixel_median_rank" in row for r in runs for row in r["rows"])
     if new:  # the columns of the harness that measures in the representation's space (older files lack them)
         lines[-1] += (" *Feature*: the space the rank is measured in (the conditioning feature's); *condition's "
