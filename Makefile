@@ -50,7 +50,8 @@ DEMO_EVAL = $(VENV)/bin/msn-eval $(1) --bundle $(DEMO_BUNDLE) --data fashion-mni
 	--json $(DEMO_RUN)/eval/$(1)-$(2).json
 SHOTS := --shots 1 2 5 --splits 3
 PAPER_CLS := --backend torch --feature cls_pre_norm
-# expanded here, so that `make -n demo` does not run the demo's recipe (a recipe line that names the MAKE variable runs even under -n)
+# Expanded here, so that `make -n demo` does not run the demo's recipe: a recipe line that names the MAKE variable
+# runs even under -n.
 DEMO_MAKE := $(MAKE)
 
 # Pretrain for 10 minutes (resumes, so a second `make demo` does not train again), export, start the service, then
